@@ -1,0 +1,118 @@
+"""Batch composition of one forward pass, from vLLM V1's ``SchedulerOutput``.
+
+Pure: reads duck-typed objects (a real ``SchedulerOutput`` or a test double) and
+never imports vLLM. Classification follows ``shared/spec/fpm-wire-v1.md``:
+
+* prefill: newly scheduled requests; cached requests still in their context
+  phase (chunked-prefill continuations, no output token yet); and any request
+  that computes more than one token this step beyond its speculative tokens (a
+  request resuming after preemption recomputes its whole context: counting it as
+  a zero-context decode would hide up to a full token budget of work).
+* decode: everything else scheduled.
+
+``SchedulerOutput`` records each request's ``num_computed_tokens`` before the
+step (vLLM advances the request's own counter right after scheduling), so the
+tokens already in the KV cache are read from the output, never from the
+request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from stepscale_engine.wire import ScheduledRequestMetrics
+
+
+class _RequestLike(Protocol):
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+RequestLookup = Callable[[str], Any]
+
+
+def _population_variance(total: float, total_sq: float, count: int) -> float:
+    if count <= 1:
+        return 0.0
+    mean = total / count
+    return max(0.0, total_sq / count - mean * mean)
+
+
+def scheduled_metrics(
+    scheduler_output: Any, requests: Mapping[str, Any] | None = None
+) -> ScheduledRequestMetrics:
+    """Composition of the batch in ``scheduler_output``.
+
+    ``requests`` maps request id to vLLM ``Request`` (the scheduler's
+    ``requests`` dict); it is consulted only for prefill requests whose full
+    length the output does not carry (cached continuations, resumed requests).
+    Cost is O(scheduled requests); nothing here depends on the waiting queue.
+    """
+    num_scheduled: Mapping[str, int] = scheduler_output.num_scheduled_tokens
+    spec_tokens: Mapping[str, Sequence[int]] = scheduler_output.scheduled_spec_decode_tokens
+
+    n_prefill = 0
+    prefill_tokens = 0
+    prefill_kv = 0
+    prefill_len_sum = 0.0
+    prefill_len_sq = 0.0
+
+    for new in scheduler_output.scheduled_new_reqs:
+        rid = new.req_id
+        chunk = num_scheduled.get(rid, 0)
+        if spec_tokens:
+            chunk -= len(spec_tokens.get(rid, ()))
+        prompt = new.prompt_token_ids
+        if prompt is not None:
+            full = len(prompt)
+        else:  # prompt embeddings: the request knows its length
+            full = _full_length(rid, requests, new.num_computed_tokens + chunk)
+        n_prefill += 1
+        prefill_tokens += chunk
+        prefill_kv += new.num_computed_tokens
+        prefill_len_sum += full
+        prefill_len_sq += full * full
+
+    cached = scheduler_output.scheduled_cached_reqs
+    n_decode = 0
+    decode_kv = 0
+    decode_kv_sq = 0
+    for rid, computed, n_out in zip(
+        cached.req_ids, cached.num_computed_tokens, cached.num_output_tokens, strict=False
+    ):
+        step_tokens = num_scheduled.get(rid, 0)
+        if spec_tokens:
+            step_tokens -= len(spec_tokens.get(rid, ()))
+        if n_out == 0 or step_tokens > 1:
+            full = _full_length(rid, requests, computed + step_tokens)
+            n_prefill += 1
+            prefill_tokens += step_tokens
+            prefill_kv += computed
+            prefill_len_sum += full
+            prefill_len_sq += full * full
+        else:
+            n_decode += 1
+            decode_kv += computed
+            decode_kv_sq += computed * computed
+
+    return ScheduledRequestMetrics(
+        num_prefill_requests=n_prefill,
+        sum_prefill_tokens=prefill_tokens,
+        var_prefill_length=_population_variance(prefill_len_sum, prefill_len_sq, n_prefill),
+        sum_prefill_kv_tokens=prefill_kv,
+        num_decode_requests=n_decode,
+        sum_decode_kv_tokens=decode_kv,
+        var_decode_kv_tokens=_population_variance(decode_kv, decode_kv_sq, n_decode),
+    )
+
+
+def _full_length(rid: str, requests: Mapping[str, Any] | None, fallback: int) -> int:
+    """Full context a prefill request must hold: prompt plus any tokens already generated."""
+    if requests is not None:
+        req = requests.get(rid)
+        if req is not None:
+            return int(req.num_tokens)
+    return fallback

@@ -1,0 +1,231 @@
+"""Queue state (``QueuedRequestMetrics``) kept incrementally, O(1) per iteration.
+
+Scanning the waiting queue every forward pass costs O(waiting) on the engine's
+hot path, which is exactly when queues are long. Instead each vLLM waiting queue
+is given a subclass (its ``__class__`` is swapped, so ``isinstance`` checks and
+the scheduler's own code are unaffected) whose mutators update running sums as
+requests enter and leave. Each request's contribution is remembered when it
+enters, so it leaves with exactly what it brought even if its status changed.
+
+A cheap consistency check (tracked count versus ``len(queue)``) catches anything
+that mutates a queue behind the tracked methods (a custom scheduler calling
+deque methods directly, say); the tracker then rebuilds its sums by one scan and
+counts a resync.
+
+Classification per the spec: preempted requests and requests waiting for remote
+KV are queued *decode* with context = all their tokens (vLLM resets a preempted
+request's computed count to 0, so it must recompute prompt plus output); every
+other waiting request is queued *prefill* with its prompt length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from stepscale_engine.wire import QueuedRequestMetrics
+
+# Names the queue attributes have had across vLLM V1 releases.
+QUEUE_ATTRIBUTES = ("waiting", "kv_holding_waiting", "skipped_waiting")
+_DECODE_STATUS_NAMES = frozenset({"PREEMPTED", "WAITING_FOR_REMOTE_KVS"})
+_TRACKED_METHODS = (
+    "add_request",
+    "pop_request",
+    "prepend_request",
+    "prepend_requests",
+    "remove_request",
+    "remove_requests",
+)
+
+
+def request_contribution(request: Any) -> tuple[bool, int]:
+    """``(is_decode, tokens)`` a waiting request adds to the queue aggregates."""
+    status = getattr(request, "status", None)
+    if getattr(status, "name", None) in _DECODE_STATUS_NAMES:
+        return True, int(request.num_tokens)
+    return False, int(request.num_prompt_tokens)
+
+
+@dataclass
+class QueueAggregates:
+    """Running sums over the requests of the tracked queues."""
+
+    num_prefill: int = 0
+    sum_prefill_tokens: int = 0
+    sumsq_prefill_tokens: float = 0.0
+    num_decode: int = 0
+    sum_decode_kv: int = 0
+    sumsq_decode_kv: float = 0.0
+
+    def add(self, is_decode: bool, tokens: int, sign: int = 1) -> None:
+        """Add (``sign=1``) or remove (``sign=-1``) one request's contribution."""
+        if is_decode:
+            self.num_decode += sign
+            self.sum_decode_kv += sign * tokens
+            self.sumsq_decode_kv += sign * float(tokens) * tokens
+        else:
+            self.num_prefill += sign
+            self.sum_prefill_tokens += sign * tokens
+            self.sumsq_prefill_tokens += sign * float(tokens) * tokens
+
+    @property
+    def count(self) -> int:
+        """Requests counted."""
+        return self.num_prefill + self.num_decode
+
+    def to_metrics(self) -> QueuedRequestMetrics:
+        """The wire struct for the current sums."""
+        return QueuedRequestMetrics(
+            num_prefill_requests=self.num_prefill,
+            sum_prefill_tokens=self.sum_prefill_tokens,
+            var_prefill_length=_variance(
+                self.sum_prefill_tokens, self.sumsq_prefill_tokens, self.num_prefill
+            ),
+            num_decode_requests=self.num_decode,
+            sum_decode_kv_tokens=self.sum_decode_kv,
+            var_decode_kv_tokens=_variance(
+                self.sum_decode_kv, self.sumsq_decode_kv, self.num_decode
+            ),
+        )
+
+
+def _variance(total: float, total_sq: float, count: int) -> float:
+    if count <= 1:
+        return 0.0
+    mean = total / count
+    return max(0.0, total_sq / count - mean * mean)
+
+
+def scan_queued_metrics(queues: Iterable[Iterable[Any]]) -> QueuedRequestMetrics:
+    """The straightforward O(waiting) computation: one pass over every request.
+
+    Used to rebuild sums after a resync, and as the baseline the benchmark
+    compares the incremental tracker against.
+    """
+    agg = QueueAggregates()
+    for queue in queues:
+        for request in queue:
+            agg.add(*request_contribution(request))
+    return agg.to_metrics()
+
+
+class _TrackedQueueMixin:
+    """Mixed into a vLLM RequestQueue class; keeps ``_stepscale_agg`` current."""
+
+    _stepscale_agg: QueueAggregates
+    _stepscale_contrib: dict[int, tuple[bool, int]]
+
+    def _ss_enter(self, request: Any) -> None:
+        key = id(request)
+        if key in self._stepscale_contrib:  # already counted: never count twice
+            return
+        contribution = request_contribution(request)
+        self._stepscale_contrib[key] = contribution
+        self._stepscale_agg.add(*contribution)
+
+    def _ss_leave(self, request: Any) -> None:
+        contribution = self._stepscale_contrib.pop(id(request), None)
+        if contribution is not None:
+            self._stepscale_agg.add(*contribution, sign=-1)
+
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)  # type: ignore[misc]
+        self._ss_enter(request)
+
+    def pop_request(self) -> Any:
+        request = super().pop_request()  # type: ignore[misc]
+        self._ss_leave(request)
+        return request
+
+    def prepend_request(self, request: Any) -> None:
+        super().prepend_request(request)  # type: ignore[misc]
+        self._ss_enter(request)
+
+    def prepend_requests(self, requests: Iterable[Any]) -> None:
+        batch = list(requests)
+        super().prepend_requests(batch)  # type: ignore[misc]
+        for request in batch:
+            self._ss_enter(request)
+
+    def remove_request(self, request: Any) -> None:
+        super().remove_request(request)  # type: ignore[misc]
+        self._ss_leave(request)
+
+    def remove_requests(self, requests: Iterable[Any]) -> None:
+        batch = list(requests)
+        super().remove_requests(batch)  # type: ignore[misc]
+        for request in batch:
+            self._ss_leave(request)
+
+
+_subclass_cache: dict[type, type] = {}
+
+
+def _tracked_class(cls: type) -> type:
+    tracked = _subclass_cache.get(cls)
+    if tracked is None:
+        tracked = type(f"Tracked{cls.__name__}", (_TrackedQueueMixin, cls), {})
+        _subclass_cache[cls] = tracked
+    return tracked
+
+
+class QueueTracker:
+    """Incremental ``QueuedRequestMetrics`` over a scheduler's waiting queues."""
+
+    def __init__(self, queues: list[Any]) -> None:
+        self._queues = queues
+        self.resyncs = 0
+
+    @classmethod
+    def attach(cls, scheduler: Any) -> QueueTracker:
+        """Start tracking every waiting queue of ``scheduler``.
+
+        Raises ``TypeError`` if the scheduler has no queue with the expected
+        methods (an unknown vLLM version or scheduler); the caller then disables
+        itself rather than guessing.
+        """
+        queues = []
+        for name in QUEUE_ATTRIBUTES:
+            queue = getattr(scheduler, name, None)
+            if queue is None or not all(hasattr(queue, m) for m in _TRACKED_METHODS):
+                continue
+            if not isinstance(queue, _TrackedQueueMixin):
+                queue.__class__ = _tracked_class(type(queue))
+                queue._stepscale_contrib = {}
+                queue._stepscale_agg = QueueAggregates()
+                _rebuild(queue)
+            queues.append(queue)
+        if not queues:
+            raise TypeError(
+                f"{type(scheduler).__name__} has none of the waiting queues {QUEUE_ATTRIBUTES}"
+            )
+        return cls(queues)
+
+    def metrics(self) -> QueuedRequestMetrics:
+        """Current queue state; O(number of queues) unless a resync is needed."""
+        total = QueueAggregates()
+        for queue in self._queues:
+            agg: QueueAggregates = queue._stepscale_agg
+            if agg.count != len(queue):
+                _rebuild(queue)
+                self.resyncs += 1
+                agg = queue._stepscale_agg
+            total.num_prefill += agg.num_prefill
+            total.sum_prefill_tokens += agg.sum_prefill_tokens
+            total.sumsq_prefill_tokens += agg.sumsq_prefill_tokens
+            total.num_decode += agg.num_decode
+            total.sum_decode_kv += agg.sum_decode_kv
+            total.sumsq_decode_kv += agg.sumsq_decode_kv
+        return total.to_metrics()
+
+
+def _rebuild(queue: Any) -> None:
+    contrib: dict[int, tuple[bool, int]] = {}
+    agg = QueueAggregates()
+    for request in queue:
+        contribution = request_contribution(request)
+        contrib[id(request)] = contribution
+        agg.add(*contribution)
+    queue._stepscale_contrib = contrib
+    queue._stepscale_agg = agg
