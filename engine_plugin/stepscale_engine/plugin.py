@@ -129,6 +129,7 @@ def register() -> None:
         return
     if config is None:
         return
+    _log_like_vllm()
     try:
         from vllm.v1.engine.core import EngineCore
     except Exception as exc:  # noqa: BLE001 - drift: any import problem disables us
@@ -139,6 +140,16 @@ def register() -> None:
         )
         return
     patch_engine_core(EngineCore, config)
+
+
+def _log_like_vllm() -> None:
+    """Send our records through vLLM's handlers so they appear in the server log."""
+    vllm_logger = logging.getLogger("vllm")
+    if vllm_logger.handlers and not log.handlers:
+        for handler in vllm_logger.handlers:
+            log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def patch_engine_core(engine_core_cls: type, config: PluginConfig) -> bool:
@@ -154,19 +165,34 @@ def patch_engine_core(engine_core_cls: type, config: PluginConfig) -> bool:
         )
         return False
     for name in STEP_METHODS:
-        setattr(engine_core_cls, name, _installing_step(getattr(engine_core_cls, name), config))
+        setattr(engine_core_cls, name, _installing_call(getattr(engine_core_cls, name), config))
     engine_core_cls.__init__ = _installing_init(engine_core_cls.__init__, config)  # type: ignore[misc]
+    # An engine process often loads plugins from inside EngineCore.__init__, too
+    # late for the wrapper above; its busy loop starts right after, so install
+    # there and the idle engine still heartbeats before its first request.
+    for cls in _subclasses(engine_core_cls):
+        if "run_busy_loop" in cls.__dict__:
+            cls.run_busy_loop = _installing_call(cls.__dict__["run_busy_loop"], config)  # type: ignore[attr-defined]
     setattr(engine_core_cls, _PATCHED_ATTR, True)
     log.info("Stepscale FPM enabled (worker_id=%s, base=%s)", config.worker_id, config.base)
     return True
 
 
-def _installing_step(step: Callable[..., Any], config: PluginConfig) -> Callable[..., Any]:
-    @functools.wraps(step)
+def _subclasses(cls: type) -> list[type]:
+    found: list[type] = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_subclasses(sub)]
+    return found
+
+
+def _installing_call(method: Callable[..., Any], config: PluginConfig) -> Callable[..., Any]:
+    """Wrap an engine method so that its first call installs the hook on that engine."""
+
+    @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _HOOK_ATTR not in self.__dict__:
             install_hook(self, config)
-        return step(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
 
     return wrapper
 
