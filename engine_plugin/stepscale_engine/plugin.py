@@ -180,8 +180,9 @@ def patch_engine_core(engine_core_cls: type, config: PluginConfig) -> bool:
 
 def _subclasses(cls: type) -> list[type]:
     found: list[type] = []
-    for sub in cls.__subclasses__():
-        found += [sub, *_subclasses(sub)]
+    subclass: type
+    for subclass in cls.__subclasses__():
+        found += [subclass, *_subclasses(subclass)]
     return found
 
 
