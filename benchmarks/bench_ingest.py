@@ -1,0 +1,223 @@
+"""Ingest throughput: FPM messages/s decoded and dispatched into the model, on one core.
+
+A publisher process queues ``--messages`` frames into the subscriber's socket
+before the clock starts, so each measurement is the consumer alone draining a
+full queue (the machine's second core runs ZMQ's I/O thread and the publisher).
+Measured in the same run:
+
+* ``raw_recv_multipart``: bare ``recv_multipart`` + ``msgspec`` decode loop (the
+  issue's "raw limit");
+* ``raw_recv3``: three bare ``recv`` calls + decode, a stricter limit (no frame
+  boundary checks at all);
+* ``subscriber_only``: :class:`FpmSubscriber` decode, validation, stream table;
+* ``pipeline``: the same feeding :class:`DeploymentModel` (stream table, cost
+  model, load estimator) - the figure the targets apply to.
+
+Run: ``PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_ingest.py``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import zmq
+from stepscale_engine import wire
+from stepscale_operator.fpm_pipeline import DeploymentModel
+from stepscale_operator.subscriber import FpmSubscriber
+
+TARGET_MSGS_PER_S = 200_000
+TARGET_RATIO = 0.60
+
+
+def make_frames(n_streams: int, count: int, seed: int = 1) -> list[list[bytes]]:
+    """Realistic varied passes from ``n_streams`` streams, round-robin, half with timing_scope."""
+    rng = random.Random(seed)
+    frames: list[list[bytes]] = []
+    counters = [0] * n_streams
+    for i in range(count):
+        s = i % n_streams
+        n_pre = rng.choice([0, 0, 1, 2])
+        lens = [rng.randint(16, 2048) for _ in range(n_pre)]
+        mean = sum(lens) / n_pre if n_pre else 0.0
+        n_dec = rng.randint(0, 256)
+        sched = wire.ScheduledRequestMetrics(
+            num_prefill_requests=n_pre,
+            sum_prefill_tokens=sum(lens),
+            var_prefill_length=sum((x - mean) ** 2 for x in lens) / n_pre if n_pre else 0.0,
+            sum_prefill_kv_tokens=rng.randint(0, 512) * n_pre,
+            num_decode_requests=n_dec,
+            sum_decode_kv_tokens=n_dec * rng.randint(64, 4096),
+            var_decode_kv_tokens=float(rng.randint(0, 10**6)),
+        )
+        queued = wire.QueuedRequestMetrics(num_prefill_requests=rng.randint(0, 8))
+        msg = wire.ForwardPassMetrics(
+            worker_id=f"pod-{s // 2}",
+            dp_rank=s % 2,
+            counter_id=counters[s],
+            timing_scope=wire.TIMING_SCOPE_MODEL_STEP_CUDA if s % 2 else msgspec.UNSET,
+            wall_time=0.005 + 0.01 * rng.random(),
+            scheduled_requests=sched,
+            queued_requests=queued,
+        )
+        counters[s] += 1
+        frames.append(wire.encode_frames(msg))
+    return frames
+
+
+def _publish(port_q: mp.Queue, done_q: mp.Queue, n: int, n_streams: int) -> None:
+    """Publisher process: wait for a subscriber, then send ``n`` messages."""
+    frames = make_frames(n_streams, min(n, 50_000))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.XPUB)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    port_q.put(port)
+    sock.recv()  # the subscription: the subscriber is connected
+    for i in range(n):
+        sock.send_multipart(frames[i % len(frames)])
+    done_q.put(n)
+    time.sleep(60)  # keep the socket until the parent terminates us
+
+
+def _with_publisher(
+    n: int, n_streams: int, consume: Callable[[str, Callable[[], None]], float]
+) -> float:
+    port_q: mp.Queue = mp.Queue()
+    done_q: mp.Queue = mp.Queue()
+    proc = mp.Process(target=_publish, args=(port_q, done_q, n, n_streams), daemon=True)
+    proc.start()
+    try:
+        endpoint = f"tcp://127.0.0.1:{port_q.get(timeout=30)}"
+
+        def wait_filled() -> None:
+            done_q.get(timeout=120)
+            time.sleep(0.5)  # let the I/O thread move the last frames into the queue
+
+        return consume(endpoint, wait_filled)
+    finally:
+        proc.terminate()
+        proc.join(5)
+
+
+def _raw_socket(endpoint: str) -> tuple[zmq.Context, zmq.Socket]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return ctx, sock
+
+
+def bench_raw_multipart(endpoint: str, wait: Callable[[], None], n: int) -> float:
+    """Bare recv_multipart + decode; returns seconds for n messages."""
+    ctx, sock = _raw_socket(endpoint)
+    dec = msgspec.msgpack.Decoder(wire.ForwardPassMetrics)
+    wait()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dec.decode(sock.recv_multipart()[2])
+    elapsed = time.perf_counter() - t0
+    sock.close(0)
+    ctx.term()
+    return elapsed
+
+
+def bench_raw_recv3(endpoint: str, wait: Callable[[], None], n: int) -> float:
+    """Three bare recv + decode, no frame checks; returns seconds for n messages."""
+    ctx, sock = _raw_socket(endpoint)
+    dec = msgspec.msgpack.Decoder(wire.ForwardPassMetrics)
+    recv = sock.recv
+    wait()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        recv()
+        recv()
+        dec.decode(recv())
+    elapsed = time.perf_counter() - t0
+    sock.close(0)
+    ctx.term()
+    return elapsed
+
+
+def bench_subscriber(endpoint: str, wait: Callable[[], None], n: int, with_model: bool) -> float:
+    """FpmSubscriber (optionally into a DeploymentModel); returns seconds for n messages."""
+    ctx = zmq.Context()
+    model = DeploymentModel("bench", observe_streams=False) if with_model else None
+    sub = FpmSubscriber(
+        model.on_batch if model is not None else (lambda batch: None),
+        streams=model.streams if model is not None else None,
+        context=ctx,
+        rcvhwm=0,
+    )
+    sub.add_endpoint(endpoint)
+    sub.run_once(0.0)  # applies the connect
+    wait()
+    t0 = time.perf_counter()
+    while sub.stats.received < n:
+        sub.run_once(1.0)
+    elapsed = time.perf_counter() - t0
+    if sub.stats.accepted != n:
+        raise RuntimeError(f"accepted {sub.stats.accepted} of {n}: {sub.stats}")
+    if model is not None and model.cost_model.samples == 0:
+        raise RuntimeError("the model learned nothing")
+    sub.close()
+    ctx.term()
+    return elapsed
+
+
+def main() -> None:
+    """Run all modes, print a table and write results/bench_ingest.json."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=1, help="best of N per mode")
+    parser.add_argument("--out", default="results/bench_ingest.json")
+    args = parser.parse_args()
+    n = args.messages
+    modes: dict[str, Callable[[str, Callable[[], None]], float]] = {
+        "raw_recv_multipart": lambda ep, w: bench_raw_multipart(ep, w, n),
+        "raw_recv3": lambda ep, w: bench_raw_recv3(ep, w, n),
+        "subscriber_only": lambda ep, w: bench_subscriber(ep, w, n, with_model=False),
+        "pipeline": lambda ep, w: bench_subscriber(ep, w, n, with_model=True),
+    }
+    rates: dict[str, float] = {}
+    for name, consume in modes.items():
+        best = min(_with_publisher(n, args.streams, consume) for _ in range(args.repeats))
+        rates[name] = n / best
+    raw = rates["raw_recv_multipart"]
+    pipeline = rates["pipeline"]
+    result = {
+        "messages": n,
+        "streams": args.streams,
+        "machine": platform.processor() or platform.machine(),
+        "rates_msgs_per_s": {k: round(v) for k, v in rates.items()},
+        "pipeline_vs_raw_recv_multipart": round(pipeline / raw, 3),
+        "pipeline_vs_raw_recv3": round(pipeline / rates["raw_recv3"], 3),
+        "targets": {"msgs_per_s": TARGET_MSGS_PER_S, "ratio_vs_raw": TARGET_RATIO},
+        "meets_rate_target": pipeline >= TARGET_MSGS_PER_S,
+        "meets_ratio_target": pipeline / raw >= TARGET_RATIO,
+    }
+    print(f"{'mode':<22}{'msgs/s':>12}{'vs raw':>9}")
+    for name, rate in rates.items():
+        print(f"{name:<22}{rate:>12,.0f}{rate / raw:>9.2f}")
+    print(
+        f"pipeline: {pipeline:,.0f} msg/s (target {TARGET_MSGS_PER_S:,}), "
+        f"{pipeline / raw:.2f}x raw recv_multipart (target {TARGET_RATIO:.2f}), "
+        f"{pipeline / rates['raw_recv3']:.2f}x raw 3x recv"
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,819 @@
+"""Online cost model: how long a forward pass takes, from the composition of its batch.
+
+``step_time = b0 + b1*prefill_tokens + b2*prefill_attention + b3*prefill_requests
++ b4*decode_requests + b5*decode_kv_tokens`` with every ``b >= 0``, fitted online
+from the FPM stream of a deployment, pooled over its pods and ranks.
+
+Features (all per forward pass):
+
+======================  =========  ==========  =========================================
+name                    unit       coef unit   meaning
+======================  =========  ==========  =========================================
+intercept               pass       s/pass      fixed cost of a step (launch, sampling)
+prefill_tokens          token      s/token     prompt tokens computed (the chunk), ``C``
+prefill_attention       token^2    s/token^2   causal attention work of those tokens
+prefill_requests        request    s/request   per-request cost of prefill requests
+decode_requests         request    s/request   per-request cost of decode (one token each)
+decode_kv_tokens        token      s/token     KV read by decode attention (sum of contexts)
+======================  =========  ==========  =========================================
+
+Prefill attention from aggregates. Request ``i`` computes ``c_i`` new tokens on top
+of ``k_i`` already in its KV cache; token ``j`` of the chunk attends to ``k_i + j``
+keys, so its attention work is ``sum_j (k_i + j) ~= c_i*k_i + c_i^2/2``. The wire
+only carries ``C = sum c_i``, ``K = sum k_i``, ``n`` and ``v`` (population
+variance of the *full prompt* lengths), so we approximate
+
+* ``sum c_i*k_i ~= C*K/n`` (no correlation between chunk size and cached part;
+  exact for ``n == 1``, the usual chunked-prefill and long-prompt case);
+* ``sum c_i^2 = n*Var(c) + C^2/n ~= n*v + C^2/n``, using the prompt-length
+  variance for the chunk-size variance (exact when whole prompts are computed),
+  then clamped to its possible range ``[C^2/n, C^2]`` because chunking makes
+  chunks far more uniform than prompts.
+
+``prefill_attention = C*K/n + clamp(n*v + C^2/n, C^2/n, C^2) / 2``.
+
+Fitting. Weighted least squares on the normal equations, weights ``1/ref^2`` so the
+fit minimises *relative* error (step-time noise is multiplicative), non-negative
+coefficients by an active-set NNLS on the d x d system. Sufficient statistics are
+kept per *coverage bucket* (regime x log-size of prefill tokens, decode requests
+and decode context); every sample updates one bucket in O(d^2). All buckets forget
+with the global sample clock (half-life ``half_life_passes``) so the model follows
+a changed engine, but a bucket never decays below ``bucket_floor`` effective
+samples from time alone: a flood of decode-only passes cannot wash out what the
+prefill buckets know. Robustness: after ``ready``, samples get Huber weights on
+their relative residual, scaled by a rolling MAD, and those beyond ``reject_k``
+scales are skipped as outliers (the scale follows a drifting engine because
+rejected residuals still enter it). The first ``warmup_passes`` passes of a new
+or restarted stream (cold caches, compilation) are not samples; nor are heartbeats.
+
+Quality is measured prequentially: every pass is predicted before it is learned.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from stepscale_engine.wire import ScheduledRequestMetrics
+
+StreamKey = tuple[str, int]
+FloatArray = npt.NDArray[np.float64]
+
+SCHEMA = "stepscale.cost_model/v1"
+
+# Column indices of a batch matrix in ScheduledRequestMetrics declaration order.
+SCHED_FIELDS: tuple[str, ...] = tuple(ScheduledRequestMetrics.__struct_fields__)
+COL_PREFILL_REQS = SCHED_FIELDS.index("num_prefill_requests")
+COL_PREFILL_TOKENS = SCHED_FIELDS.index("sum_prefill_tokens")
+COL_PREFILL_VAR = SCHED_FIELDS.index("var_prefill_length")
+COL_PREFILL_KV = SCHED_FIELDS.index("sum_prefill_kv_tokens")
+COL_DECODE_REQS = SCHED_FIELDS.index("num_decode_requests")
+COL_DECODE_KV = SCHED_FIELDS.index("sum_decode_kv_tokens")
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One regressor: its name, units, short name for formulas and internal scale."""
+
+    name: str
+    short: str
+    unit: str
+    coef_unit: str
+    scale: float  # features are divided by this internally to condition the system
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("intercept", "1", "pass", "s/pass", 1.0),
+    Feature("prefill_tokens", "prefill_tok", "token", "s/token", 1e3),
+    Feature("prefill_attention", "prefill_attn", "token^2", "s/token^2", 1e6),
+    Feature("prefill_requests", "prefill_req", "request", "s/request", 1.0),
+    Feature("decode_requests", "decode_req", "request", "s/request", 1e2),
+    Feature("decode_kv_tokens", "decode_kv", "token", "s/token", 1e5),
+)
+FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
+N_FEATURES = len(FEATURES)
+_SCALES = np.array([f.scale for f in FEATURES])
+
+REGIMES = ("prefill_only", "decode_only", "mixed", "empty")
+
+# Coverage buckets: prefill-token bins x decode-request bins x decode-context bins.
+_P_BINS, _D_BINS, _K_BINS = 9, 7, 6
+N_BUCKETS = _P_BINS * _D_BINS * _K_BINS
+_PRIOR_BUCKET = N_BUCKETS  # holds a warm-started model's statistics
+
+
+def sched_matrix(scheds: Sequence[ScheduledRequestMetrics]) -> FloatArray:
+    """Batch compositions as an (n, 7) matrix in ScheduledRequestMetrics field order."""
+    from msgspec.structs import astuple
+
+    if not scheds:
+        return np.zeros((0, len(SCHED_FIELDS)))
+    return np.array([astuple(s) for s in scheds], dtype=np.float64)
+
+
+def feature_matrix(sched: FloatArray) -> FloatArray:
+    """Raw-unit features (n, d) from an (n, 7) composition matrix; see the module docstring."""
+    n_req = sched[:, COL_PREFILL_REQS]
+    c = sched[:, COL_PREFILL_TOKENS]
+    var = sched[:, COL_PREFILL_VAR]
+    k = sched[:, COL_PREFILL_KV]
+    safe_n = np.maximum(n_req, 1.0)
+    c2 = c * c
+    sum_c_sq = np.clip(safe_n * var + c2 / safe_n, c2 / safe_n, c2)
+    attention = np.where(c > 0, c * k / safe_n + 0.5 * sum_c_sq, 0.0)
+    x = np.empty((sched.shape[0], N_FEATURES))
+    x[:, 0] = 1.0
+    x[:, 1] = c
+    x[:, 2] = attention
+    x[:, 3] = n_req
+    x[:, 4] = sched[:, COL_DECODE_REQS]
+    x[:, 5] = sched[:, COL_DECODE_KV]
+    return x
+
+
+def _log_bin(values: FloatArray, base_log2: float, n_bins: int) -> npt.NDArray[np.int64]:
+    """0 for zero, else 1 + floor(log_base(value)), capped at ``n_bins - 1``."""
+    safe = np.maximum(values, 1.0)
+    bins = 1 + np.floor(np.log2(safe) / base_log2).astype(np.int64)
+    return np.where(values > 0, np.minimum(bins, n_bins - 1), 0)
+
+
+def bucket_ids(sched: FloatArray) -> npt.NDArray[np.int64]:
+    """Coverage bucket of each row: log4 prefill tokens x log4 decode reqs x log8 context."""
+    c = sched[:, COL_PREFILL_TOKENS]
+    d = sched[:, COL_DECODE_REQS]
+    mean_ctx = sched[:, COL_DECODE_KV] / np.maximum(d, 1.0)
+    pb = _log_bin(c, 2.0, _P_BINS)
+    db = _log_bin(d, 2.0, _D_BINS)
+    kb = np.where(d > 0, _log_bin(mean_ctx, 3.0, _K_BINS), 0)
+    return (pb * _D_BINS + db) * _K_BINS + kb
+
+
+def regime_ids(sched: FloatArray) -> npt.NDArray[np.int64]:
+    """Index into :data:`REGIMES` of each row."""
+    has_p = sched[:, COL_PREFILL_TOKENS] > 0
+    has_d = sched[:, COL_DECODE_REQS] > 0
+    return np.where(has_p, np.where(has_d, 2, 0), np.where(has_d, 1, 3))
+
+
+def nnls_normal(gram: FloatArray, rhs: FloatArray, max_iter: int = 100) -> FloatArray:
+    """Minimise ``x'Gx - 2x'h`` subject to ``x >= 0`` (Lawson-Hanson on normal equations).
+
+    ``gram`` must be symmetric positive definite (callers add a small ridge).
+    """
+    d = rhs.shape[0]
+    x = np.zeros(d)
+    passive = np.zeros(d, dtype=bool)
+    tol = 1e-12 * max(float(np.abs(rhs).max(initial=0.0)), 1e-300)
+    for _ in range(max_iter):
+        grad = rhs - gram @ x
+        candidates = np.where(~passive, grad, -np.inf)
+        j = int(np.argmax(candidates))
+        if passive.all() or candidates[j] <= tol:
+            break
+        passive[j] = True
+        for _ in range(max_iter):
+            z = np.zeros(d)
+            idx = np.flatnonzero(passive)
+            z[idx] = np.linalg.solve(gram[np.ix_(idx, idx)], rhs[idx])
+            if (z[idx] > 0).all():
+                x = z
+                break
+            bad = passive & (z <= 0)
+            alpha = float(np.min(x[bad] / (x[bad] - z[bad])))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+    return x
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+@dataclass(frozen=True)
+class ModelQuality:
+    """How good the fit is; APE figures are prequential (predicted before learning)."""
+
+    window: int  # predictions in the rolling window
+    r2: float  # prequential R^2 over the window
+    mape: float  # mean absolute percentage error, as a fraction (0.05 = 5%)
+    median_ape: float
+    p90_ape: float
+    samples: int  # passes learned since creation (warm start included)
+    effective_samples: float  # after forgetting
+    prefill_only_samples: int
+    decode_only_samples: int
+    mixed_samples: int
+    buckets_covered: int  # coverage buckets holding data
+    outliers_rejected: int
+    warmup_skipped: int
+    heartbeats_ignored: int
+    residual_scale: float  # robust (MAD) scale of relative residuals
+    std_errors: dict[str, float] = field(default_factory=dict)  # per coefficient, SI units
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (NaN becomes None)."""
+        d = asdict(self)
+        for key, value in list(d.items()):
+            if isinstance(value, float):
+                d[key] = _finite_or_none(value)
+        d["std_errors"] = {k: _finite_or_none(v) for k, v in self.std_errors.items()}
+        return d
+
+
+@dataclass
+class _StreamStats:
+    last_counter: int | None = None
+    passes: int = 0  # passes since the stream (re)started, heartbeats excluded
+    samples: int = 0
+    outliers: int = 0
+    n_eff: float = 0.0
+    sum_rel: float = 0.0  # exponentially weighted sums of relative residuals
+    sum_abs_rel: float = 0.0
+    last_clock: float = 0.0
+
+
+class CostModel:
+    """Online, robust, non-negative fit of forward-pass time from batch composition."""
+
+    def __init__(
+        self,
+        half_life_passes: float = 20000.0,
+        warmup_passes: int = 20,
+        *,
+        min_samples: int = 200,
+        bucket_floor: float | None = None,
+        quality_window: int = 2000,
+        robust_window: int = 500,
+        huber_k: float = 2.5,
+        reject_k: float = 8.0,
+        resolve_every: int = 16,
+        max_chunk: int = 2048,
+        max_streams: int = 4096,
+        stream_half_life_passes: float = 200.0,
+        ridge: float = 1e-7,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if half_life_passes <= 0:
+            raise ValueError("half_life_passes must be positive")
+        self.half_life_passes = float(half_life_passes)
+        self.warmup_passes = int(warmup_passes)
+        self.min_samples = int(min_samples)
+        # Default floor: 1/200 of the half-life (100 samples at the default), so that a
+        # bucket keeps some knowledge forever but stale data never outweighs fresh.
+        self.bucket_floor = (
+            self.half_life_passes / 200.0 if bucket_floor is None else float(bucket_floor)
+        )
+        self.quality_window = int(quality_window)
+        self.robust_window = int(robust_window)
+        self.huber_k = float(huber_k)
+        self.reject_k = float(reject_k)
+        self.resolve_every = max(1, int(resolve_every))
+        self.max_chunk = max(1, int(max_chunk))
+        self.max_streams = int(max_streams)
+        self.stream_half_life_passes = float(stream_half_life_passes)
+        self.ridge = float(ridge)
+        self._clock = clock
+        self._decay = 2.0 ** (-1.0 / self.half_life_passes)
+        self._stream_decay = 2.0 ** (-1.0 / self.stream_half_life_passes)
+
+        nb = N_BUCKETS + 1
+        d = N_FEATURES
+        self._gram = np.zeros((nb, d, d))
+        self._xty = np.zeros((nb, d))
+        self._yty = np.zeros(nb)
+        self._count = np.zeros(nb)  # decayed sample counts (for degrees of freedom)
+        self._bucket_clock = np.zeros(nb)
+        self._floor = np.full(nb, self.bucket_floor)
+        self._floor[_PRIOR_BUCKET] = 0.0  # a warm start fades out completely
+        self._sample_clock = 0.0
+
+        self._coef: FloatArray | None = None  # scaled basis
+        self._std_err: FloatArray = np.full(d, np.nan)  # scaled basis
+        self._since_solve = 0
+
+        self._q_y = np.zeros(self.quality_window)
+        self._q_p = np.zeros(self.quality_window)
+        self._q_len = 0
+        self._q_pos = 0
+        self._r_ring = np.zeros(self.robust_window)
+        self._r_len = 0
+        self._r_pos = 0
+        self._residual_scale = math.nan
+
+        self.samples = 0
+        self.regime_samples = dict.fromkeys(REGIMES, 0)
+        self.outliers_rejected = 0
+        self.warmup_skipped = 0
+        self.heartbeats_ignored = 0
+        self.updated_at: float | None = None
+        self._streams: dict[StreamKey, _StreamStats] = {}
+
+    # -- learning --------------------------------------------------------------
+
+    def update(
+        self,
+        sched: ScheduledRequestMetrics,
+        wall_time_s: float,
+        stream: StreamKey = ("", 0),
+        counter_id: int | None = None,
+    ) -> float | None:
+        """Learn one pass; return the prediction made before learning it.
+
+        None when the pass is not a sample (heartbeat, warm-up of its stream,
+        invalid time) or no fit exists yet. ``counter_id`` (the message sequence)
+        lets the model see a stream restart (counter went back) and warm up again.
+        """
+        counters = None if counter_id is None else [counter_id]
+        pred = self.update_batch([sched], [wall_time_s], [stream], counters)
+        value = pred[0]
+        return None if math.isnan(value) else float(value)
+
+    def update_batch(
+        self,
+        scheds: Sequence[ScheduledRequestMetrics] | FloatArray,
+        wall_times_s: Sequence[float] | FloatArray,
+        streams: Sequence[StreamKey],
+        counter_ids: Sequence[int] | npt.NDArray[np.int64] | None = None,
+    ) -> FloatArray:
+        """Learn passes in order; returns each prequential prediction (NaN where none).
+
+        ``scheds`` is a sequence of structs or an (n, 7) matrix in
+        ScheduledRequestMetrics field order (what the ingest pipeline already has).
+        """
+        sched = scheds if isinstance(scheds, np.ndarray) else sched_matrix(scheds)
+        wall = np.asarray(wall_times_s, dtype=np.float64)
+        n = wall.shape[0]
+        if sched.shape != (n, len(SCHED_FIELDS)) or len(streams) != n:
+            raise ValueError("scheds, wall_times_s and streams must have the same length")
+        if counter_ids is not None and len(counter_ids) != n:
+            raise ValueError("counter_ids must match the batch length")
+        usable, stream_slot, slot_keys = self._track_streams(wall, streams, counter_ids)
+        preds = np.full(n, np.nan)
+        rows = np.flatnonzero(usable)
+        start = 0
+        while start < rows.shape[0]:
+            chunk = rows[start : start + self._chunk_size()]
+            start += chunk.shape[0]
+            preds[chunk] = self._learn_rows(
+                sched[chunk], wall[chunk], stream_slot[chunk], slot_keys
+            )
+        return preds
+
+    def notify_restart(self, stream: StreamKey) -> None:
+        """The caller saw ``stream`` restart: its next passes are warm-up again."""
+        stats = self._streams.get(stream)
+        if stats is not None:
+            stats.passes = 0
+            stats.last_counter = None
+
+    def forget_stream(self, stream: StreamKey) -> None:
+        """Drop per-stream state (the pod is gone); learned coefficients stay."""
+        self._streams.pop(stream, None)
+
+    def _chunk_size(self) -> int:
+        # Early on, re-solve often so predictions (and robust weights) exist soon.
+        if self._coef is None or self.samples < self.min_samples:
+            return max(1, min(self.max_chunk, self.resolve_every))
+        return self.max_chunk
+
+    def _track_streams(
+        self,
+        wall: FloatArray,
+        streams: Sequence[StreamKey],
+        counter_ids: Sequence[int] | npt.NDArray[np.int64] | None,
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64], list[_StreamStats]]:
+        """Per-stream warm-up and restart tracking, vectorised over the batch.
+
+        Returns which rows are usable samples, each row's local stream slot and
+        the stats object of every slot.
+        """
+        n = wall.shape[0]
+        # Each row maps to the position of its stream's first row (C-level loop), densified.
+        first_seen: dict[StreamKey, int] = {}
+        first_pos = np.fromiter(map(first_seen.setdefault, streams, range(n)), np.int64, n)
+        uniq, slot = np.unique(first_pos, return_inverse=True)
+        slot = slot.astype(np.int64, copy=False)
+        slot_stats: list[_StreamStats] = []
+        for pos in uniq:
+            key = streams[int(pos)]
+            stats = self._streams.get(key)
+            slot_stats.append(stats if stats is not None else self._new_stream(key))
+        heartbeat = wall == 0.0
+        is_pass = np.isfinite(wall) & (wall > 0.0)
+        if counter_ids is None:
+            counters = np.arange(n, dtype=np.int64)
+            last = np.full(len(slot_stats), -1, dtype=np.int64)
+        else:
+            counters = np.asarray(counter_ids, dtype=np.int64)
+            last = np.array(
+                [-1 if s.last_counter is None else s.last_counter for s in slot_stats],
+                dtype=np.int64,
+            )
+        prior = np.array([s.passes for s in slot_stats], dtype=np.int64)
+
+        # Work in stream-major order; a segment starts at a stream's first row or a restart.
+        order = np.argsort(slot, kind="stable")
+        sl, cs, ps = slot[order], counters[order], is_pass[order]
+        first = np.r_[True, sl[1:] != sl[:-1]]
+        prev = np.where(first, last[sl], np.r_[-1, cs[:-1]])
+        restart = (prev >= 0) & (cs < prev)
+        seg_start = first | restart
+        seg_idx = np.flatnonzero(seg_start)
+        seg_of_row = np.cumsum(seg_start) - 1
+        running = np.cumsum(ps)
+        carried = np.where(restart[seg_idx], 0, prior[sl[seg_idx]])
+        offset = running[seg_idx] - ps[seg_idx] - carried
+        passes = running - offset[seg_of_row]
+        usable_sorted = ps & (passes > self.warmup_passes)
+        usable = np.empty(n, dtype=bool)
+        usable[order] = usable_sorted
+
+        last_row = np.r_[np.flatnonzero(first)[1:] - 1, n - 1] if n else np.zeros(0, np.int64)
+        for row in last_row:
+            stats = slot_stats[int(sl[row])]
+            stats.passes = int(passes[row])
+            if counter_ids is not None:
+                stats.last_counter = int(cs[row])
+        n_heartbeats = int(np.count_nonzero(heartbeat))
+        self.heartbeats_ignored += n_heartbeats
+        self.warmup_skipped += int(np.count_nonzero(is_pass)) - int(np.count_nonzero(usable))
+        return usable, slot, slot_stats
+
+    def _new_stream(self, key: StreamKey) -> _StreamStats:
+        if len(self._streams) >= self.max_streams:
+            oldest = min(self._streams, key=lambda k: self._streams[k].last_clock)
+            del self._streams[oldest]
+        stats = self._streams[key] = _StreamStats()
+        return stats
+
+    def _learn_rows(
+        self,
+        sched: FloatArray,
+        y: FloatArray,
+        slot: npt.NDArray[np.int64],
+        slot_stats: list[_StreamStats],
+    ) -> FloatArray:
+        """Predict then learn a chunk of usable passes; returns the predictions."""
+        x = feature_matrix(sched) / _SCALES
+        ready = self.ready
+        coef = self._coef
+        pred = x @ coef if coef is not None else np.full(y.shape[0], np.nan)
+        have_pred = np.isfinite(pred) & (pred > 0)
+        rel = np.where(have_pred, (y - pred) / np.where(have_pred, pred, 1.0), np.nan)
+
+        # Robust weights: Huber on the relative residual, hard reject far outliers.
+        weight = np.ones(y.shape[0])
+        scale = self._residual_scale
+        if ready and math.isfinite(scale):
+            abs_rel = np.abs(np.nan_to_num(rel, nan=0.0))
+            knee = self.huber_k * scale
+            weight = np.where(abs_rel <= knee, 1.0, knee / np.maximum(abs_rel, 1e-300))
+            weight[abs_rel > self.reject_k * scale] = 0.0
+        accepted = weight > 0
+        self.outliers_rejected += int(np.count_nonzero(~accepted))
+
+        # Relative-error weighting: divide by the predicted time once there is a fit.
+        ref = np.where(ready & have_pred, pred, y)
+        w = weight / np.maximum(ref, 1e-9) ** 2
+
+        self._accumulate(x, y, w, accepted, bucket_ids(sched))
+
+        # Bookkeeping: regimes, residual scale, prequential window, per-stream residuals.
+        regimes = regime_ids(sched[accepted])
+        for r, count in zip(*np.unique(regimes, return_counts=True), strict=True):
+            self.regime_samples[REGIMES[int(r)]] += int(count)
+        n_acc = int(np.count_nonzero(accepted))
+        self.samples += n_acc
+        if have_pred.any():
+            self._push_residuals(rel[have_pred])
+        if ready:
+            self._push_quality(y[have_pred], pred[have_pred])
+        self._update_stream_residuals(rel, accepted, slot, slot_stats)
+
+        self._since_solve += n_acc
+        if self._coef is None or self._since_solve >= self.resolve_every:
+            self._solve()
+        self.updated_at = self._clock()
+        return np.where(have_pred, pred, np.nan)
+
+    def _accumulate(
+        self,
+        x: FloatArray,
+        y: FloatArray,
+        w: FloatArray,
+        accepted: npt.NDArray[np.bool_],
+        buckets: npt.NDArray[np.int64],
+    ) -> None:
+        """Add accepted rows to their buckets, each sample O(d^2)."""
+        if not accepted.any():
+            return
+        x, y, w, buckets = x[accepted], y[accepted], w[accepted], buckets[accepted]
+        m = y.shape[0]
+        t_end = self._sample_clock + m
+        # Sample j (0-based) arrives at clock t0+j+1; at t_end it has aged m-1-j.
+        age_weight = self._decay ** np.arange(m - 1, -1, -1, dtype=np.float64)
+        wa = w * age_weight
+        self._decay_buckets(np.unique(buckets), t_end)
+        order = np.argsort(buckets, kind="stable")
+        b_sorted = buckets[order]
+        starts = np.flatnonzero(np.r_[True, b_sorted[1:] != b_sorted[:-1]])
+        present = b_sorted[starts]
+        # Per-sample outer products summed per bucket in one vectorised pass.
+        xs, ys, ws = x[order], y[order], wa[order]
+        xw = xs * ws[:, None]
+        outer = xw[:, :, None] * xs[:, None, :]
+        self._gram[present] += np.add.reduceat(outer, starts, axis=0)
+        self._xty[present] += np.add.reduceat(xw * ys[:, None], starts, axis=0)
+        self._yty[present] += np.add.reduceat(ws * ys * ys, starts)
+        self._count[present] += np.add.reduceat(age_weight[order], starts)
+        self._sample_clock = t_end
+
+    def _decay_buckets(self, buckets: npt.NDArray[np.int64], t_now: float) -> None:
+        """Bring buckets' statistics to clock ``t_now`` (lazy forgetting with a floor)."""
+        age = t_now - self._bucket_clock[buckets]
+        count = self._count[buckets]
+        factor = self._decay**age
+        # Never let time alone push a bucket below its floor of effective samples.
+        floor_factor = np.minimum(1.0, self._floor[buckets] / np.maximum(count, 1e-300))
+        factor = np.where(count > 0, np.maximum(factor, floor_factor), 1.0)
+        self._gram[buckets] *= factor[:, None, None]
+        self._xty[buckets] *= factor[:, None]
+        self._yty[buckets] *= factor
+        self._count[buckets] *= factor
+        self._bucket_clock[buckets] = t_now
+
+    def _solve(self) -> None:
+        """Solve the pooled normal equations with non-negativity (O(buckets*d^2 + d^3))."""
+        self._since_solve = 0
+        all_buckets = np.arange(N_BUCKETS + 1)
+        self._decay_buckets(all_buckets, self._sample_clock)
+        n_eff = float(self._count.sum())
+        if n_eff <= 0:
+            return
+        gram = self._gram.sum(axis=0)
+        xty = self._xty.sum(axis=0)
+        yty = float(self._yty.sum())
+        # A tiny ridge keeps unseen features at zero and the system solvable.
+        scale = max(float(np.trace(gram)) / N_FEATURES, 1e-12)
+        ridged = gram + np.eye(N_FEATURES) * (self.ridge * scale)
+        coef = nnls_normal(ridged, xty)
+        self._coef = coef
+        dof = max(n_eff - float(np.count_nonzero(coef)), 1.0)
+        rss = max(yty - 2.0 * float(coef @ xty) + float(coef @ gram @ coef), 0.0)
+        sigma2 = rss / dof
+        try:
+            cov = sigma2 * np.linalg.pinv(ridged)
+            self._std_err = np.sqrt(np.maximum(np.diag(cov), 0.0))
+        except np.linalg.LinAlgError:
+            self._std_err = np.full(N_FEATURES, np.nan)
+
+    def _push_residuals(self, rel: FloatArray) -> None:
+        for chunk_start in range(0, rel.shape[0], self.robust_window):
+            part = rel[chunk_start : chunk_start + self.robust_window]
+            idx = (self._r_pos + np.arange(part.shape[0])) % self.robust_window
+            self._r_ring[idx] = part
+            self._r_pos = int((self._r_pos + part.shape[0]) % self.robust_window)
+            self._r_len = min(self.robust_window, self._r_len + part.shape[0])
+        if self._r_len >= 20:
+            ring = self._r_ring[: self._r_len]
+            # Median |residual| about zero, not about the median: after an engine change
+            # the residuals are consistently biased and must widen the scale, or every
+            # new pass would be rejected and the model would never follow.
+            mad = float(np.median(np.abs(ring)))
+            # Floor at 1% so noise-free data does not turn every rounding error into an outlier.
+            self._residual_scale = max(1.4826 * mad, 0.01)
+
+    def _push_quality(self, y: FloatArray, pred: FloatArray) -> None:
+        k = y.shape[0]
+        if k == 0:
+            return
+        if k > self.quality_window:
+            y, pred = y[-self.quality_window :], pred[-self.quality_window :]
+            k = self.quality_window
+        idx = (self._q_pos + np.arange(k)) % self.quality_window
+        self._q_y[idx] = y
+        self._q_p[idx] = pred
+        self._q_pos = int((self._q_pos + k) % self.quality_window)
+        self._q_len = min(self.quality_window, self._q_len + k)
+
+    def _update_stream_residuals(
+        self,
+        rel: FloatArray,
+        accepted: npt.NDArray[np.bool_],
+        slot: npt.NDArray[np.int64],
+        slot_stats: list[_StreamStats],
+    ) -> None:
+        n_slots = len(slot_stats)
+        finite = np.isfinite(rel)
+        counts = np.bincount(slot, minlength=n_slots)
+        pred_counts = np.bincount(slot[finite], minlength=n_slots)
+        sum_rel = np.bincount(slot[finite], weights=rel[finite], minlength=n_slots)
+        sum_abs = np.bincount(slot[finite], weights=np.abs(rel[finite]), minlength=n_slots)
+        outliers = np.bincount(slot[~accepted], minlength=n_slots)
+        for s in np.flatnonzero(counts):
+            stats = slot_stats[int(s)]
+            stats.samples += int(counts[s] - outliers[s])
+            stats.outliers += int(outliers[s])
+            k = float(pred_counts[s])
+            if k:
+                # Batch-level approximation of a per-sample exponential average.
+                keep = self._stream_decay**k
+                stats.n_eff = stats.n_eff * keep + k
+                stats.sum_rel = stats.sum_rel * keep + float(sum_rel[s])
+                stats.sum_abs_rel = stats.sum_abs_rel * keep + float(sum_abs[s])
+            stats.last_clock = self._sample_clock
+
+    # -- prediction ------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """True once enough passes were learned to trust predictions."""
+        return self._coef is not None and self.samples >= self.min_samples
+
+    def _current_coef(self) -> FloatArray | None:
+        if self._since_solve > 0:
+            self._solve()
+        return self._coef
+
+    def predict(self, sched: ScheduledRequestMetrics) -> float:
+        """Predicted wall time (seconds) of a pass with this composition; NaN before any fit."""
+        return float(self.predict_many(sched_matrix([sched]))[0])
+
+    def predict_many(self, sched: FloatArray) -> FloatArray:
+        """Predicted wall times for an (n, 7) composition matrix (hypothetical batches too)."""
+        coef = self._current_coef()
+        if coef is None:
+            return np.full(sched.shape[0], np.nan)
+        return (feature_matrix(sched) / _SCALES) @ coef
+
+    @property
+    def coefficients(self) -> dict[str, float]:
+        """Coefficients in SI units (seconds per feature unit); NaN before any fit."""
+        coef = self._current_coef()
+        if coef is None:
+            return dict.fromkeys(FEATURE_NAMES, math.nan)
+        real = coef / _SCALES
+        return {name: float(v) for name, v in zip(FEATURE_NAMES, real, strict=True)}
+
+    @property
+    def std_errors(self) -> dict[str, float]:
+        """Standard errors of the coefficients in SI units (weighted least squares)."""
+        self._current_coef()
+        real = self._std_err / _SCALES
+        return {name: float(v) for name, v in zip(FEATURE_NAMES, real, strict=True)}
+
+    # -- quality and reporting -------------------------------------------------
+
+    @property
+    def quality(self) -> ModelQuality:
+        """Prequential error over the rolling window, R^2, counts and standard errors."""
+        n = self._q_len
+        y = self._q_y[:n]
+        p = self._q_p[:n]
+        if n:
+            ape = np.abs(y - p) / np.maximum(y, 1e-12)
+            mape = float(ape.mean())
+            median_ape = float(np.median(ape))
+            p90_ape = float(np.percentile(ape, 90))
+            ss_tot = float(((y - y.mean()) ** 2).sum())
+            ss_res = float(((y - p) ** 2).sum())
+            r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else math.nan
+        else:
+            mape = median_ape = p90_ape = r2 = math.nan
+        return ModelQuality(
+            window=n,
+            r2=r2,
+            mape=mape,
+            median_ape=median_ape,
+            p90_ape=p90_ape,
+            samples=self.samples,
+            effective_samples=float(self._count.sum()),
+            prefill_only_samples=self.regime_samples["prefill_only"],
+            decode_only_samples=self.regime_samples["decode_only"],
+            mixed_samples=self.regime_samples["mixed"],
+            buckets_covered=int(np.count_nonzero(self._count[:N_BUCKETS] > 0)),
+            outliers_rejected=self.outliers_rejected,
+            warmup_skipped=self.warmup_skipped,
+            heartbeats_ignored=self.heartbeats_ignored,
+            residual_scale=self._residual_scale,
+            std_errors=self.std_errors,
+        )
+
+    def formula(self) -> str:
+        """Human-readable fit, e.g. ``step_ms = 3.9 + 0.021*prefill_tok + ...``."""
+        coef = self.coefficients
+        parts: list[str] = []
+        for feat in FEATURES:
+            ms = coef[feat.name] * 1e3
+            if not math.isfinite(ms):
+                return "step_ms = (no fit yet)"
+            if feat.name == "intercept":
+                parts.append(f"{ms:.4g}")
+            elif ms > 0:
+                parts.append(f"{ms:.4g}*{feat.short}")
+        return "step_ms = " + " + ".join(parts)
+
+    def stream_residuals(self) -> dict[StreamKey, dict[str, float | int]]:
+        """Per-stream residual summary: bias and MAPE (recent, exponentially weighted)."""
+        out: dict[StreamKey, dict[str, float | int]] = {}
+        for key, s in self._streams.items():
+            n = s.n_eff
+            out[key] = {
+                "samples": s.samples,
+                "outliers": s.outliers,
+                "warming_up": int(s.passes <= self.warmup_passes),
+                "mean_relative_residual": s.sum_rel / n if n else math.nan,
+                "mape": s.sum_abs_rel / n if n else math.nan,
+            }
+        return out
+
+    # -- persistence -----------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Small JSON-able snapshot: coefficients with units, quality, formula, fit state."""
+        coef = self.coefficients
+        se = self.std_errors
+        self._decay_buckets(np.arange(N_BUCKETS + 1), self._sample_clock)
+        return {
+            "schema": SCHEMA,
+            "coefficients": [
+                {
+                    "name": f.name,
+                    "unit": f.coef_unit,
+                    "feature_unit": f.unit,
+                    "value": _finite_or_none(coef[f.name]),
+                    "std_error": _finite_or_none(se[f.name]),
+                }
+                for f in FEATURES
+            ],
+            "formula": self.formula(),
+            "ready": self.ready,
+            "quality": self.quality.to_dict(),
+            "samples": self.samples,
+            "regime_samples": dict(self.regime_samples),
+            "updated_at": self.updated_at,
+            "config": {
+                "half_life_passes": self.half_life_passes,
+                "warmup_passes": self.warmup_passes,
+                "min_samples": self.min_samples,
+                "bucket_floor": self.bucket_floor,
+            },
+            # Pooled sufficient statistics in the internal (scaled) basis: 6x6 + 6 + 2 numbers.
+            "state": {
+                "scales": [f.scale for f in FEATURES],
+                "gram": self._gram.sum(axis=0).tolist(),
+                "xty": self._xty.sum(axis=0).tolist(),
+                "yty": float(self._yty.sum()),
+                "n_eff": float(self._count.sum()),
+            },
+        }
+
+    @classmethod
+    def from_dict(
+        cls, d: dict[str, Any], warm_start_weight: float = 500.0, **overrides: Any
+    ) -> CostModel:
+        """Restore a model saved by :meth:`to_dict` (warm start).
+
+        The saved statistics become one extra bucket worth at most
+        ``warm_start_weight`` passes, which fades out with the half-life: the
+        restored coefficients hold until new passes arrive, then new passes
+        (perhaps from a changed engine) take over within a few thousand.
+        """
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"not a cost model snapshot: schema {d.get('schema')!r}")
+        names = [c["name"] for c in d["coefficients"]]
+        if names != list(FEATURE_NAMES):
+            raise ValueError(f"feature set {names} does not match {list(FEATURE_NAMES)}")
+        config = {**d.get("config", {}), **overrides}
+        model = cls(**config)
+        state = d["state"]
+        scales = np.asarray(state["scales"], dtype=np.float64)
+        if scales.shape != _SCALES.shape:
+            raise ValueError("state has the wrong dimension")
+        # Re-express in the current scaling should it ever change.
+        ratio = scales / _SCALES
+        gram = np.asarray(state["gram"], dtype=np.float64) * np.outer(ratio, ratio)
+        xty = np.asarray(state["xty"], dtype=np.float64) * ratio
+        if gram.shape != (N_FEATURES, N_FEATURES) or not np.isfinite(gram).all():
+            raise ValueError("state gram matrix is malformed")
+        n_eff = float(state["n_eff"])
+        shrink = min(1.0, warm_start_weight / n_eff) if n_eff > 0 else 0.0
+        model._gram[_PRIOR_BUCKET] = gram * shrink
+        model._xty[_PRIOR_BUCKET] = xty * shrink
+        model._yty[_PRIOR_BUCKET] = float(state["yty"]) * shrink
+        model._count[_PRIOR_BUCKET] = n_eff * shrink
+        model.samples = int(d.get("samples", 0))
+        for regime, count in d.get("regime_samples", {}).items():
+            if regime in model.regime_samples:
+                model.regime_samples[regime] = int(count)
+        model.updated_at = d.get("updated_at")
+        if model._count[_PRIOR_BUCKET] > 0:
+            model._solve()
+        return model

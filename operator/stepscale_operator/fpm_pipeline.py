@@ -1,0 +1,197 @@
+"""One deployment's view of its FPM streams: stream health, cost model and load.
+
+:class:`DeploymentModel` glues :class:`~stepscale_operator.stream_state.StreamTable`,
+:class:`~stepscale_operator.cost_model.CostModel` and
+:class:`~stepscale_operator.load_estimate.LoadEstimator`; the operator and the
+simulator call :meth:`DeploymentModel.ingest` with batches of decoded messages.
+
+Messages are turned into columns once per batch (:class:`PassMatrices`) and every
+component works on those, so per-message Python work stays small.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from msgspec.structs import astuple
+from stepscale_engine.wire import (
+    ForwardPassMetrics,
+    QueuedRequestMetrics,
+    ScheduledRequestMetrics,
+)
+
+from stepscale_operator.cost_model import CostModel
+from stepscale_operator.load_estimate import LoadEstimator
+from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.stream_state import StreamKey, StreamTable, stream_label
+
+FloatArray = npt.NDArray[np.float64]
+
+N_SCHED = len(ScheduledRequestMetrics.__struct_fields__)
+N_QUEUED = len(QueuedRequestMetrics.__struct_fields__)
+# Row layout of PassMatrices.numeric: version, dp_rank, counter_id, wall_time, sched, queued.
+COL_VERSION, COL_DP_RANK, COL_COUNTER, COL_WALL = 0, 1, 2, 3
+COL_SCHED = 4
+COL_QUEUED = COL_SCHED + N_SCHED
+N_NUMERIC = COL_QUEUED + N_QUEUED
+_COUNTER_CAP = float(2**62)  # counters are exact in float64 far beyond any real stream
+
+
+@dataclass(frozen=True)
+class PassMatrices:
+    """A batch of messages as columns: every numeric field of every message."""
+
+    keys: list[StreamKey]
+    numeric: FloatArray  # (n, N_NUMERIC), layout above
+
+    @classmethod
+    def from_messages(cls, msgs: Sequence[ForwardPassMetrics]) -> PassMatrices:
+        """Columns of ``msgs`` (one pass over the structs)."""
+        if not msgs:
+            return cls([], np.zeros((0, N_NUMERIC)))
+        numeric = np.array(
+            [
+                (
+                    m.version,
+                    m.dp_rank,
+                    m.counter_id,
+                    m.wall_time,
+                    *astuple(m.scheduled_requests),
+                    *astuple(m.queued_requests),
+                )
+                for m in msgs
+            ],
+            dtype=np.float64,
+        )
+        return cls([(m.worker_id, m.dp_rank) for m in msgs], numeric)
+
+    def select(self, mask: npt.NDArray[np.bool_]) -> PassMatrices:
+        """The rows where ``mask`` is True."""
+        idx = np.flatnonzero(mask)
+        return PassMatrices([self.keys[i] for i in idx], self.numeric[idx])
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def wall(self) -> FloatArray:
+        """Wall time of each pass in seconds (0 for heartbeats)."""
+        return self.numeric[:, COL_WALL]
+
+    @property
+    def counters(self) -> npt.NDArray[np.int64]:
+        """Sequence numbers as int64."""
+        return np.minimum(self.numeric[:, COL_COUNTER], _COUNTER_CAP).astype(np.int64)
+
+    @property
+    def sched(self) -> FloatArray:
+        """(n, 7) ScheduledRequestMetrics columns in wire order."""
+        return self.numeric[:, COL_SCHED:COL_QUEUED]
+
+    @property
+    def queued(self) -> FloatArray:
+        """(n, 6) QueuedRequestMetrics columns in wire order."""
+        return self.numeric[:, COL_QUEUED:]
+
+
+class MessageBatch(list[ForwardPassMetrics]):
+    """A list of decoded messages that may carry its columns, so sinks need not rebuild them."""
+
+    matrices: PassMatrices | None = None
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """What one :meth:`DeploymentModel.ingest` call did."""
+
+    messages: int
+    passes: int
+    heartbeats: int
+    restarted: tuple[StreamKey, ...]
+
+
+class DeploymentModel:
+    """Stream health, cost model and load estimate of one deployment (thread-safe)."""
+
+    def __init__(
+        self,
+        name: str = "",
+        *,
+        cost_model: CostModel | None = None,
+        load: LoadEstimator | None = None,
+        streams: StreamTable | None = None,
+        observe_streams: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``observe_streams=False`` when a subscriber already records the same table."""
+        self.name = name
+        self.cost_model = cost_model if cost_model is not None else CostModel()
+        self.load = load if load is not None else LoadEstimator()
+        self.streams = streams if streams is not None else StreamTable(self.load.stale_after_s)
+        self.observe_streams = observe_streams
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    def add_stream(self, key: StreamKey) -> None:
+        """Expect a stream (a pod/rank that exists); it is missing until it reports."""
+        with self._lock:
+            self.streams.expect(key)
+            self.load.add_stream(key)
+
+    def remove_stream(self, key: StreamKey) -> None:
+        """Forget a stream whose pod is gone."""
+        with self._lock:
+            self.streams.forget(key)
+            self.load.remove_stream(key)
+            self.cost_model.forget_stream(key)
+
+    def ingest(self, msgs: Sequence[ForwardPassMetrics], now: float | None = None) -> IngestResult:
+        """Account a batch of decoded messages received at ``now`` (default: the clock)."""
+        if now is None:
+            now = self._clock()
+        matrices = msgs.matrices if isinstance(msgs, MessageBatch) else None
+        if matrices is None or len(matrices) != len(msgs):
+            matrices = PassMatrices.from_messages(msgs)
+        wall = matrices.wall
+        with self._lock:
+            restarted: tuple[StreamKey, ...] = ()
+            if self.observe_streams:
+                restarted = self.streams.observe_columns(
+                    matrices.keys, matrices.counters, wall, now
+                ).restarted
+            # Heartbeats go in too: they are not samples, but their sequence numbers
+            # show the model when a stream restarted.
+            self.cost_model.update_batch(matrices.sched, wall, matrices.keys, matrices.counters)
+            self.load.observe_matrices(matrices.keys, wall, matrices.sched, matrices.queued, now)
+        passes = int(np.count_nonzero(wall > 0.0))
+        return IngestResult(len(msgs), passes, len(msgs) - passes, restarted)
+
+    def on_batch(self, msgs: list[ForwardPassMetrics]) -> None:
+        """Sink for :class:`~stepscale_operator.subscriber.FpmSubscriber`."""
+        self.ingest(msgs)
+
+    def estimate(self, now: float | None = None) -> LoadEstimate:
+        """The deployment's load over the estimator's window."""
+        with self._lock:
+            return self.load.estimate(self._clock() if now is None else now)
+
+    def status(self, now: float | None = None) -> dict[str, Any]:
+        """JSON-able snapshot for the custom resource status and logs."""
+        if now is None:
+            now = self._clock()
+        with self._lock:
+            return {
+                "name": self.name,
+                "streams": self.streams.health(now, per_stream=False),
+                "cost_model": self.cost_model.to_dict(),
+                "stream_residuals": {
+                    stream_label(k): v for k, v in self.cost_model.stream_residuals().items()
+                },
+                "load": self.load.estimate(now).to_dict(),
+            }

@@ -1,0 +1,384 @@
+"""Load estimation from FPM streams: token rates, context sizes, cache hits, queues, trends.
+
+Every stream keeps a ring of per-``bucket_s`` sums (bounded memory whatever the
+message rate); :meth:`LoadEstimator.estimate` sums the buckets inside the window.
+Rates are per wall-clock second: a stream's sums are divided by the time it was
+observed within the window (``min(window_s, now - first_seen)``), then summed
+over fresh streams. Stale or never-seen streams are reported as missing, never
+as zero load. Heartbeats count as liveness only.
+
+Approximations the wire format forces on us (it carries per-pass aggregates, not
+per-request data), documented here because the planner relies on them:
+
+* Chunked prefill. ``sum_prefill_kv_tokens`` holds prefix-cache hits *and* the
+  earlier chunks of a chunked prompt. A prompt is chunked only when a pass used
+  the whole token budget, so we estimate the budget per stream as the largest
+  ``prefill_tokens + decode_requests`` seen and call a prefill pass *full* when
+  it reaches 95% of it. The first prefill request of the pass after a full pass is
+  a continuation: that pass's KV tokens are not counted as cache hits (hits of
+  other requests in the same pass are lost, an under-estimate). On other passes,
+  prefill KV tokens are cache hits: on a prompt's first chunk ``k_i`` is exactly
+  its cached prefix.
+* Finished prompts. On a full pass the last prefill request is (probably) cut
+  short, so it finishes ``n - 1`` prompts; otherwise ``n``.
+* Prompt length. On passes that are not full, every prefill request runs its
+  final chunk, so ``(C + K) / n`` is its full prompt length; the mean prompt
+  length uses those passes (all passes if there are none).
+* Decode tokens. One generated token per decode request per pass (no speculative
+  decoding; a prefill's final chunk also emits a token, not counted here).
+* Queues. The latest pass's queue of each fresh stream; a heartbeat (idle engine)
+  means an empty queue.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+from stepscale_engine.wire import (
+    ForwardPassMetrics,
+    QueuedRequestMetrics,
+    ScheduledRequestMetrics,
+)
+
+from stepscale_operator.load_types import LoadEstimate
+
+StreamKey = tuple[str, int]
+FloatArray = npt.NDArray[np.float64]
+
+_SCHED = tuple(ScheduledRequestMetrics.__struct_fields__)
+_QUEUED = tuple(QueuedRequestMetrics.__struct_fields__)
+_S_NPRE = _SCHED.index("num_prefill_requests")
+_S_CPRE = _SCHED.index("sum_prefill_tokens")
+_S_KPRE = _SCHED.index("sum_prefill_kv_tokens")
+_S_NDEC = _SCHED.index("num_decode_requests")
+_S_KVDEC = _SCHED.index("sum_decode_kv_tokens")
+_Q_NPRE = _QUEUED.index("num_prefill_requests")
+_Q_TPRE = _QUEUED.index("sum_prefill_tokens")
+_Q_NDEC = _QUEUED.index("num_decode_requests")
+
+# Columns of a per-bucket sum.
+(
+    _PASSES,
+    _BUSY_S,
+    _PREFILL_TOKENS,
+    _PREFILL_CACHED,
+    _PREFILL_FINISHED,
+    _DECODE_TOKENS,
+    _DECODE_KV,
+    _PROMPT_TOKENS_FINAL,
+    _PROMPT_REQS_FINAL,
+    _PROMPT_TOKENS_ALL,
+    _PROMPT_REQS_ALL,
+) = range(11)
+_N_COLS = 11
+FULL_BUDGET_FRACTION = 0.95
+
+
+def load_matrices(msgs: Sequence[ForwardPassMetrics]) -> tuple[FloatArray, FloatArray]:
+    """(n, 7) scheduled and (n, 6) queued matrices in wire field order."""
+    from msgspec.structs import astuple
+
+    if not msgs:
+        return np.zeros((0, len(_SCHED))), np.zeros((0, len(_QUEUED)))
+    sched = np.array([astuple(m.scheduled_requests) for m in msgs], dtype=np.float64)
+    queued = np.array([astuple(m.queued_requests) for m in msgs], dtype=np.float64)
+    return sched, queued
+
+
+class LoadEstimator:
+    """Fleet load of one deployment over a sliding window, from its FPM streams."""
+
+    def __init__(
+        self,
+        window_s: float = 30.0,
+        stale_after_s: float = 3.0,
+        *,
+        bucket_s: float = 1.0,
+        trend_subwindows: int = 6,
+        max_streams: int = 4096,
+    ) -> None:
+        if window_s <= 0 or bucket_s <= 0 or window_s < bucket_s:
+            raise ValueError("need 0 < bucket_s <= window_s")
+        self.window_s = float(window_s)
+        self.stale_after_s = float(stale_after_s)
+        self.bucket_s = float(bucket_s)
+        self.trend_subwindows = max(2, int(trend_subwindows))
+        self.max_streams = int(max_streams)
+        self._n_window = int(math.ceil(self.window_s / self.bucket_s))
+        self._ring_len = self._n_window + 1
+        self._slots: dict[StreamKey, int] = {}
+        cap = 8
+        self._free: list[int] = list(range(cap - 1, -1, -1))
+        self._bucket_id = np.full((cap, self._ring_len), -1, dtype=np.int64)
+        self._sums = np.zeros((cap, self._ring_len, _N_COLS))
+        self._first_seen = np.full(cap, np.nan)
+        self._last_seen = np.full(cap, np.nan)
+        self._queued = np.zeros((cap, 3))  # prefill requests, prefill tokens, decode requests
+        self._budget = np.zeros(cap)  # largest prefill_tokens + decode_requests seen
+        self._prev_full = np.zeros(cap, dtype=bool)
+
+    # -- membership ------------------------------------------------------------
+
+    def add_stream(self, key: StreamKey) -> None:
+        """Register a stream that should report; it counts as missing until it does."""
+        self._slot(key)
+
+    def remove_stream(self, key: StreamKey) -> None:
+        """Forget a stream and its data (its pod is gone)."""
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self._reset_slot(slot)
+            self._free.append(slot)
+
+    @property
+    def streams(self) -> list[StreamKey]:
+        """Known streams."""
+        return list(self._slots)
+
+    def _slot(self, key: StreamKey) -> int:
+        slot = self._slots.get(key)
+        if slot is not None:
+            return slot
+        if len(self._slots) >= self.max_streams:
+            # Bounded memory: forget the stream silent for longest.
+            oldest = min(
+                self._slots,
+                key=lambda k: np.nan_to_num(self._last_seen[self._slots[k]], nan=-np.inf),
+            )
+            self.remove_stream(oldest)
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self._slots[key] = slot
+        return slot
+
+    def _grow(self) -> None:
+        """Double the slot capacity (amortised O(1) per new stream)."""
+        old = self._bucket_id.shape[0]
+        pad = old
+        self._bucket_id = np.vstack(
+            [self._bucket_id, np.full((pad, self._ring_len), -1, dtype=np.int64)]
+        )
+        self._sums = np.concatenate([self._sums, np.zeros((pad, self._ring_len, _N_COLS))])
+        self._first_seen = np.r_[self._first_seen, np.full(pad, np.nan)]
+        self._last_seen = np.r_[self._last_seen, np.full(pad, np.nan)]
+        self._queued = np.vstack([self._queued, np.zeros((pad, 3))])
+        self._budget = np.r_[self._budget, np.zeros(pad)]
+        self._prev_full = np.r_[self._prev_full, np.zeros(pad, dtype=bool)]
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+    def _reset_slot(self, slot: int) -> None:
+        self._bucket_id[slot] = -1
+        self._sums[slot] = 0.0
+        self._first_seen[slot] = np.nan
+        self._last_seen[slot] = np.nan
+        self._queued[slot] = 0.0
+        self._budget[slot] = 0.0
+        self._prev_full[slot] = False
+
+    # -- observation -----------------------------------------------------------
+
+    def observe(self, msg: ForwardPassMetrics, now: float) -> None:
+        """Account one message received at ``now`` (heartbeats: liveness only)."""
+        self.observe_batch([msg], now)
+
+    def observe_batch(
+        self,
+        msgs: Sequence[ForwardPassMetrics],
+        now: float,
+        sched: FloatArray | None = None,
+        queued: FloatArray | None = None,
+    ) -> None:
+        """Account messages received at ``now``, in arrival order.
+
+        ``sched``/``queued`` are the (n, 7)/(n, 6) matrices in wire field order,
+        when the caller already built them.
+        """
+        n = len(msgs)
+        if n == 0:
+            return
+        if sched is None or queued is None:
+            sched, queued = load_matrices(msgs)
+        keys = [(m.worker_id, m.dp_rank) for m in msgs]
+        wall = np.fromiter((m.wall_time for m in msgs), np.float64, n)
+        self.observe_matrices(keys, wall, sched, queued, now)
+
+    def observe_matrices(
+        self,
+        keys: Sequence[StreamKey],
+        wall: FloatArray,
+        sched: FloatArray,
+        queued: FloatArray,
+        now: float,
+    ) -> None:
+        """Columnar form of :meth:`observe_batch` for callers that built the matrices."""
+        n = len(keys)
+        if n == 0:
+            return
+        # Map distinct streams only: rows point at their stream's first row, then densify.
+        first_pos: dict[StreamKey, int] = {}
+        pos = np.fromiter(map(first_pos.setdefault, keys, range(n)), np.int64, n)
+        uniq, inverse = np.unique(pos, return_inverse=True)
+        slots = np.array([self._slot(keys[int(p)]) for p in uniq], dtype=np.int64)
+        self._accumulate(slots[inverse], wall, sched, queued, now)
+
+    def _accumulate(
+        self,
+        slot: npt.NDArray[np.int64],
+        wall: FloatArray,
+        sched: FloatArray,
+        queued: FloatArray,
+        now: float,
+    ) -> None:
+        order = np.argsort(slot, kind="stable")
+        sl = slot[order]
+        starts = np.flatnonzero(np.r_[True, sl[1:] != sl[:-1]])
+        ends = np.r_[starts[1:], sl.shape[0]]
+        streams = sl[starts]
+        w, s, q = wall[order], sched[order], queued[order]
+
+        # Liveness and latest queue, heartbeats included (a heartbeat means an empty queue).
+        first_time = np.isnan(self._first_seen[streams])
+        self._first_seen[streams[first_time]] = now
+        self._last_seen[streams] = now
+        last = ends - 1
+        is_pass_last = w[last] > 0
+        self._queued[streams] = np.where(
+            is_pass_last[:, None], q[last][:, [_Q_NPRE, _Q_TPRE, _Q_NDEC]], 0.0
+        )
+
+        is_pass = w > 0
+        c = np.where(is_pass, s[:, _S_CPRE], 0.0)
+        k = np.where(is_pass, s[:, _S_KPRE], 0.0)
+        n_pre = np.where(is_pass, s[:, _S_NPRE], 0.0)
+        n_dec = np.where(is_pass, s[:, _S_NDEC], 0.0)
+        used = c + n_dec
+        budget = np.maximum(self._budget[streams], np.maximum.reduceat(used, starts))
+        self._budget[streams] = budget
+        row_budget = np.repeat(budget, ends - starts)
+        full = (c > 0) & (used >= FULL_BUDGET_FRACTION * row_budget)
+        # Continuation flag: the previous pass of the same stream was full.
+        prev_full = np.r_[False, full[:-1]]
+        prev_full[starts] = self._prev_full[streams]
+        # Heartbeats do not break a chunk sequence: carry the flag over them.
+        prev_full = np.where(is_pass, prev_full, False)
+        self._prev_full[streams] = full[last] | (~is_pass[last] & self._prev_full[streams])
+
+        has_prefill = c > 0
+        final = has_prefill & ~full
+        cols = np.zeros((sl.shape[0], _N_COLS))
+        cols[:, _PASSES] = is_pass
+        cols[:, _BUSY_S] = np.where(is_pass, w, 0.0)
+        cols[:, _PREFILL_TOKENS] = c
+        cols[:, _PREFILL_CACHED] = np.where(prev_full, 0.0, k)
+        cols[:, _PREFILL_FINISHED] = np.maximum(n_pre - full, 0.0)
+        cols[:, _DECODE_TOKENS] = n_dec
+        cols[:, _DECODE_KV] = np.where(is_pass, s[:, _S_KVDEC], 0.0)
+        cols[:, _PROMPT_TOKENS_FINAL] = np.where(final, c + k, 0.0)
+        cols[:, _PROMPT_REQS_FINAL] = np.where(final, n_pre, 0.0)
+        cols[:, _PROMPT_TOKENS_ALL] = np.where(has_prefill, c + k, 0.0)
+        cols[:, _PROMPT_REQS_ALL] = np.where(has_prefill, n_pre, 0.0)
+        per_stream = np.add.reduceat(cols, starts, axis=0)
+
+        bucket = int(math.floor(now / self.bucket_s))
+        pos = bucket % self._ring_len
+        stale_bucket = self._bucket_id[streams, pos] != bucket
+        self._sums[streams[stale_bucket], pos] = 0.0
+        self._bucket_id[streams, pos] = bucket
+        self._sums[streams, pos] += per_stream
+
+    # -- estimation ------------------------------------------------------------
+
+    def estimate(self, now: float) -> LoadEstimate:
+        """Fleet load over the last ``window_s`` seconds; missing streams are flagged."""
+        slots = np.fromiter(self._slots.values(), np.int64, len(self._slots))
+        last_seen = self._last_seen[slots]
+        fresh_mask = ~np.isnan(last_seen) & (now - np.nan_to_num(last_seen) <= self.stale_after_s)
+        fresh = slots[fresh_mask]
+        total, missing = int(slots.shape[0]), int(slots.shape[0] - fresh.shape[0])
+
+        bucket = int(math.floor(now / self.bucket_s))
+        oldest = bucket - self._n_window + 1
+        ids = self._bucket_id[fresh]  # (f, ring)
+        in_window = (ids >= oldest) & (ids <= bucket)
+        sums = np.where(in_window[:, :, None], self._sums[fresh], 0.0)  # (f, ring, cols)
+        window_start = max(now - self.window_s, oldest * self.bucket_s)
+        span = np.maximum(now - np.maximum(self._first_seen[fresh], window_start), self.bucket_s)
+        per_stream = sums.sum(axis=1)  # (f, cols)
+        rates = (per_stream / span[:, None]).sum(axis=0) if fresh.size else np.zeros(_N_COLS)
+        totals = per_stream.sum(axis=0) if fresh.size else np.zeros(_N_COLS)
+
+        prefill = float(rates[_PREFILL_TOKENS])
+        cached = float(rates[_PREFILL_CACHED])
+        if totals[_PROMPT_REQS_FINAL] > 0:
+            mean_prompt = totals[_PROMPT_TOKENS_FINAL] / totals[_PROMPT_REQS_FINAL]
+        elif totals[_PROMPT_REQS_ALL] > 0:
+            mean_prompt = totals[_PROMPT_TOKENS_ALL] / totals[_PROMPT_REQS_ALL]
+        else:
+            mean_prompt = 0.0
+        decode_ctx = (
+            totals[_DECODE_KV] / totals[_DECODE_TOKENS] if totals[_DECODE_TOKENS] > 0 else 0.0
+        )
+        queued = self._queued[fresh].sum(axis=0) if fresh.size else np.zeros(3)
+        prefill_trend, decode_trend = self._trends(ids, in_window, sums, now, bucket)
+        return LoadEstimate(
+            window_s=self.window_s,
+            streams_total=total,
+            streams_missing=missing,
+            prefill_tokens_per_s=prefill,
+            prefill_cached_tokens_per_s=cached,
+            prefill_requests_per_s=float(rates[_PREFILL_FINISHED]),
+            decode_tokens_per_s=float(rates[_DECODE_TOKENS]),
+            mean_prompt_tokens=float(mean_prompt),
+            mean_decode_context_tokens=float(decode_ctx),
+            prefix_cache_hit_fraction=cached / (cached + prefill) if cached + prefill > 0 else 0.0,
+            queued_prefill_requests=float(queued[0]),
+            queued_prefill_tokens=float(queued[1]),
+            queued_decode_requests=float(queued[2]),
+            prefill_tokens_per_s_trend=prefill_trend,
+            decode_tokens_per_s_trend=decode_trend,
+            busy_fraction=float(totals[_BUSY_S] / span.sum()) if fresh.size else 0.0,
+        )
+
+    def _trends(
+        self,
+        ids: npt.NDArray[np.int64],
+        in_window: npt.NDArray[np.bool_],
+        sums: FloatArray,
+        now: float,
+        bucket: int,
+    ) -> tuple[float, float]:
+        """Least-squares slope of fleet rates over equal sub-windows (tokens/s per second)."""
+        if ids.size == 0:
+            return 0.0, 0.0
+        # Sub-window of each ring entry, counted back from the newest bucket.
+        age = np.where(in_window, bucket - ids, -1)
+        per_sub = max(1, self._n_window // self.trend_subwindows)
+        sub = np.where(age >= 0, age // per_sub, -1)
+        n_sub = int(self._n_window // per_sub)
+        centers, prefill_rates, decode_rates = [], [], []
+        current_fraction = (now - bucket * self.bucket_s) / self.bucket_s
+        for j in range(n_sub):
+            mask = sub == j
+            if not mask.any():
+                continue
+            duration = per_sub * self.bucket_s
+            if j == 0:  # the newest bucket is only partly elapsed
+                duration -= (1.0 - current_fraction) * self.bucket_s
+            if duration < 0.5 * self.bucket_s:
+                continue  # too short to give a meaningful rate
+            picked = sums[mask]
+            centers.append(now - (j + 0.5) * per_sub * self.bucket_s)
+            prefill_rates.append(float(picked[:, _PREFILL_TOKENS].sum()) / duration)
+            decode_rates.append(float(picked[:, _DECODE_TOKENS].sum()) / duration)
+        if len(centers) < 2:
+            return 0.0, 0.0
+        t = np.asarray(centers)
+        t = t - t.mean()
+        denom = float((t * t).sum())
+        slope_p = float((t * (np.asarray(prefill_rates) - np.mean(prefill_rates))).sum()) / denom
+        slope_d = float((t * (np.asarray(decode_rates) - np.mean(decode_rates))).sum()) / denom
+        return slope_p, slope_d

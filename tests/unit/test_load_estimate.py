@@ -1,0 +1,171 @@
+"""LoadEstimator: rates per wall-clock second, cache hits, chunking, queues, staleness, trends."""
+
+from __future__ import annotations
+
+import pytest
+from stepscale_engine.wire import (
+    ForwardPassMetrics,
+    QueuedRequestMetrics,
+    ScheduledRequestMetrics,
+    heartbeat,
+)
+from stepscale_operator.load_estimate import LoadEstimator
+
+
+def _msg(
+    counter: int,
+    sched: ScheduledRequestMetrics,
+    worker: str = "w",
+    rank: int = 0,
+    queued: QueuedRequestMetrics | None = None,
+    wall: float = 0.01,
+) -> ForwardPassMetrics:
+    return ForwardPassMetrics(
+        worker_id=worker,
+        dp_rank=rank,
+        counter_id=counter,
+        wall_time=wall,
+        scheduled_requests=sched,
+        queued_requests=queued or QueuedRequestMetrics(),
+    )
+
+
+DECODE = ScheduledRequestMetrics(num_decode_requests=10, sum_decode_kv_tokens=5000)
+
+
+def feed(
+    est: LoadEstimator,
+    seconds: int,
+    per_second: int,
+    sched: ScheduledRequestMetrics,
+    worker: str = "w",
+    start: float = 0.0,
+) -> None:
+    for s in range(seconds):
+        for i in range(per_second):
+            now = start + s + i / per_second
+            est.observe(_msg(s * per_second + i, sched, worker), now)
+
+
+def test_decode_rate_and_context_per_wall_clock_second() -> None:
+    est = LoadEstimator(window_s=10.0)
+    feed(est, 20, 50, DECODE)
+    load = est.estimate(20.0)
+    assert load.decode_tokens_per_s == pytest.approx(500.0, rel=0.05)  # 10 requests x 50 passes/s
+    assert load.mean_decode_context_tokens == pytest.approx(500.0)
+    assert load.busy_fraction == pytest.approx(0.5, rel=0.05)  # 50 passes x 10 ms
+    assert load.prefill_tokens_per_s == 0.0
+    assert load.complete and load.window_s == 10.0
+
+
+def test_rates_sum_over_streams() -> None:
+    est = LoadEstimator(window_s=10.0)
+    feed(est, 15, 20, DECODE, worker="a")
+    feed(est, 15, 20, DECODE, worker="b")
+    load = est.estimate(15.0)
+    assert load.streams_total == 2
+    assert load.decode_tokens_per_s == pytest.approx(400.0, rel=0.05)
+
+
+def test_young_stream_rate_uses_time_observed() -> None:
+    est = LoadEstimator(window_s=30.0)
+    feed(est, 5, 20, DECODE, start=100.0)
+    assert est.estimate(105.0).decode_tokens_per_s == pytest.approx(200.0, rel=0.1)
+
+
+def test_stale_and_never_seen_streams_are_missing_not_zero() -> None:
+    est = LoadEstimator(window_s=10.0, stale_after_s=3.0)
+    est.add_stream(("never", 0))
+    feed(est, 10, 20, DECODE, worker="a")
+    feed(est, 5, 20, DECODE, worker="b")  # b goes silent at t=5
+    load = est.estimate(10.0)
+    assert load.streams_total == 3
+    assert load.streams_missing == 2
+    assert not load.complete
+    assert load.decode_tokens_per_s == pytest.approx(200.0, rel=0.1)  # a only, b unknown
+    est.remove_stream(("never", 0))
+    est.remove_stream(("b", 0))
+    assert est.estimate(10.0).complete
+
+
+def test_heartbeats_keep_a_stream_fresh_with_zero_load() -> None:
+    est = LoadEstimator(window_s=10.0)
+    for i in range(10):
+        est.observe(heartbeat("idle", 0, i), float(i))
+    load = est.estimate(9.5)
+    assert load.complete
+    assert load.decode_tokens_per_s == 0.0 and load.busy_fraction == 0.0
+
+
+def test_prefix_cache_hits_and_prompt_length() -> None:
+    est = LoadEstimator(window_s=10.0)
+    # Each prompt is 1000 tokens, 600 of them served from the prefix cache.
+    hit = ScheduledRequestMetrics(
+        num_prefill_requests=1, sum_prefill_tokens=400, sum_prefill_kv_tokens=600
+    )
+    big_decode = ScheduledRequestMetrics(num_decode_requests=2000)  # sets the token budget
+    est.observe(_msg(0, big_decode), 0.0)
+    feed(est, 10, 10, hit)
+    load = est.estimate(10.0)
+    assert load.prefix_cache_hit_fraction == pytest.approx(0.6)
+    assert load.mean_prompt_tokens == pytest.approx(1000.0)
+    assert load.prefill_requests_per_s == pytest.approx(10.0, rel=0.1)
+
+
+def test_chunk_continuations_are_not_cache_hits() -> None:
+    est = LoadEstimator(window_s=10.0)
+    # A 3000-token prompt in chunks of 1000 (the budget): KV of chunks 2 and 3 is not a hit.
+    counter = 0
+    for second in range(10):
+        for chunk in range(3):
+            sched = ScheduledRequestMetrics(
+                num_prefill_requests=1, sum_prefill_tokens=1000, sum_prefill_kv_tokens=1000 * chunk
+            )
+            est.observe(_msg(counter, sched), second + chunk * 0.1)
+            counter += 1
+        # A last small pass ends the sequence of full passes.
+        tail = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=10)
+        est.observe(_msg(counter, tail), second + 0.5)
+        counter += 1
+    load = est.estimate(10.0)
+    assert load.prefix_cache_hit_fraction == pytest.approx(0.0)
+    assert load.prefill_tokens_per_s == pytest.approx(3010.0, rel=0.1)
+
+
+def test_queues_are_latest_per_stream_and_heartbeat_empties_them() -> None:
+    est = LoadEstimator()
+    q = QueuedRequestMetrics(num_prefill_requests=3, sum_prefill_tokens=900, num_decode_requests=2)
+    est.observe(_msg(0, DECODE, "a", queued=q), 1.0)
+    est.observe(_msg(0, DECODE, "b", queued=q), 1.0)
+    load = est.estimate(1.5)
+    assert (load.queued_prefill_requests, load.queued_prefill_tokens) == (6.0, 1800.0)
+    assert load.queued_decode_requests == 4.0
+    est.observe(heartbeat("b", 0, 1), 2.0)
+    assert est.estimate(2.0).queued_prefill_requests == 3.0
+
+
+def test_trend_sign_follows_a_ramp() -> None:
+    est = LoadEstimator(window_s=30.0)
+    counter = 0
+    for s in range(60):
+        for _ in range(5 + s):  # passes per second grow by one each second
+            est.observe(_msg(counter, DECODE), float(s) + 0.5)
+            counter += 1
+    load = est.estimate(60.0)
+    assert load.decode_tokens_per_s_trend == pytest.approx(10.0, rel=0.25)  # 10 tokens/s per s
+    assert load.prefill_tokens_per_s_trend == 0.0
+
+
+def test_memory_bounded_in_streams() -> None:
+    est = LoadEstimator(max_streams=4)
+    for i in range(20):
+        est.observe(_msg(0, DECODE, f"w{i}"), float(i))
+    assert len(est.streams) == 4
+    assert ("w19", 0) in est.streams
+
+
+def test_window_forgets_old_load() -> None:
+    est = LoadEstimator(window_s=10.0)
+    feed(est, 10, 20, DECODE)
+    est.observe(heartbeat("w", 0, 10_000), 30.0)
+    assert est.estimate(30.0).decode_tokens_per_s == 0.0

@@ -1,0 +1,141 @@
+"""StreamTable: gaps, restarts, duplicates, heartbeats, staleness, rejections, bounds."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from stepscale_engine.wire import ForwardPassMetrics, FrameError, heartbeat
+from stepscale_operator.stream_state import StreamTable
+
+
+def _pass(worker: str, rank: int, counter: int) -> ForwardPassMetrics:
+    return ForwardPassMetrics(worker_id=worker, dp_rank=rank, counter_id=counter, wall_time=0.01)
+
+
+def test_gap_counts_lost_messages() -> None:
+    table = StreamTable()
+    table.observe_batch([_pass("a", 0, c) for c in (0, 1, 5, 6)], now=1.0)
+    state = table.get(("a", 0))
+    assert state is not None
+    assert state.lost == 3
+    assert state.messages == 4
+    assert state.last_sequence == 6
+
+
+def test_restart_detected_and_counted() -> None:
+    table = StreamTable()
+    table.observe_batch([_pass("a", 0, c) for c in range(100)], now=1.0)
+    result = table.observe_batch([_pass("a", 0, 2), _pass("a", 0, 3)], now=2.0)
+    state = table.get(("a", 0))
+    assert state is not None
+    assert result.restarted == (("a", 0),)
+    assert state.restarts == 1
+    assert state.lost == 2  # sequence 0 and 1 of the new publisher were missed
+    assert state.passes_since_restart == 2
+
+
+def test_duplicate_is_counted_not_accepted() -> None:
+    table = StreamTable()
+    table.observe_batch([_pass("a", 0, 0), _pass("a", 0, 1), _pass("a", 0, 1)], now=1.0)
+    state = table.get(("a", 0))
+    assert state is not None
+    assert (state.messages, state.duplicates, state.lost, state.restarts) == (2, 1, 0, 0)
+
+
+def test_heartbeats_are_liveness_not_passes() -> None:
+    table = StreamTable()
+    table.observe_batch([_pass("a", 0, 0), heartbeat("a", 0, 1), heartbeat("a", 0, 2)], now=5.0)
+    state = table.get(("a", 0))
+    assert state is not None
+    assert (state.passes, state.heartbeats) == (1, 2)
+    assert not state.is_stale(7.9)
+    assert state.is_stale(8.1)  # 3 heartbeat intervals of silence
+
+
+def test_expected_stream_is_missing_until_it_speaks() -> None:
+    table = StreamTable()
+    table.expect(("b", 1))
+    assert table.stale(0.0) == [("b", 1)]
+    table.observe(_pass("b", 1, 0), now=1.0)
+    assert table.fresh(1.5) == [("b", 1)]
+    assert table.stale(10.0) == [("b", 1)]
+
+
+def test_rejections_by_reason_and_stream() -> None:
+    table = StreamTable()
+    table.observe(_pass("a", 0, 0), now=0.0)
+    table.record_rejected(FrameError.VALUE, ("a", 0))
+    table.record_rejected(FrameError.NOT_MSGPACK, None)
+    table.record_rejected(FrameError.NOT_MSGPACK, None)
+    assert table.rejected == {"value": 1, "not_msgpack": 2}
+    state = table.get(("a", 0))
+    assert state is not None and state.rejected == {"value": 1}
+
+
+def test_memory_bounded_evicts_unexpected_longest_silent() -> None:
+    table = StreamTable(max_streams=3)
+    table.expect(("keep", 0))
+    for i in range(10):
+        table.observe(_pass(f"w{i}", 0, 0), now=float(i))
+    assert len(table) == 3
+    assert ("keep", 0) in table
+    assert ("w9", 0) in table
+    assert table.evicted == 8
+
+
+def test_health_is_json_able() -> None:
+    table = StreamTable()
+    table.expect(("gone", 0))
+    table.observe_batch([_pass("a", 0, 0), _pass("a", 1, 3)], now=1.0)
+    health = table.health(2.0)
+    json.dumps(health)
+    assert health["streams"] == 3
+    assert health["fresh"] == 2
+    assert health["stale"] == ["gone/0"]
+
+
+def _reference(seqs: list[tuple[int, int]]) -> dict[int, tuple[int, int, int, int, int]]:
+    """Message-by-message reference: (messages, lost, restarts, duplicates, since_restart)."""
+    out: dict[int, list[int]] = {}
+    last: dict[int, int] = {}
+    for stream, seq in seqs:
+        o = out.setdefault(stream, [0, 0, 0, 0, 0])
+        prev = last.get(stream)
+        if prev is not None and seq == prev:
+            o[3] += 1
+            continue
+        if prev is not None and seq < prev:
+            o[2] += 1
+            o[1] += seq
+            o[4] = 0
+        elif prev is not None and seq > prev + 1:
+            o[1] += seq - prev - 1
+        last[stream] = seq
+        o[0] += 1
+        o[4] += 1
+    return {k: (v[0], v[1], v[2], v[3], v[4]) for k, v in out.items()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40)), max_size=30),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_vectorised_batches_match_sequential_reference(
+    batches: list[list[tuple[int, int]]],
+) -> None:
+    table = StreamTable()
+    for i, batch in enumerate(batches):
+        table.observe_batch([_pass("w", s, c) for s, c in batch], now=float(i))
+    expected = _reference([item for batch in batches for item in batch])
+    for stream, (messages, lost, restarts, dups, since) in expected.items():
+        state = table.get(("w", stream))
+        assert state is not None
+        got = (state.messages, state.lost, state.restarts, state.duplicates)
+        assert got == (messages, lost, restarts, dups)
+        assert state.passes_since_restart == since

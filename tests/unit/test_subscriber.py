@@ -1,0 +1,276 @@
+"""FpmSubscriber over real ZMQ sockets on 127.0.0.1: interop payloads, hostile frames, endpoints."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from stepscale_engine import wire
+from stepscale_engine.publisher import FpmPublisher
+from stepscale_operator.subscriber import FpmSubscriber
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def xpub(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
+    """A publisher that can tell when the subscriber is connected (raw frames)."""
+    sock = ctx.socket(zmq.XPUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    return sock, f"tcp://127.0.0.1:{port}"
+
+
+def connect(sub: FpmSubscriber, pub: zmq.Socket, endpoint: str) -> None:
+    sub.add_endpoint(endpoint)
+    sub.poll_batch(0.0)  # applies the connect on this thread
+    assert pub.poll(5000), "subscription never arrived"
+    pub.recv()
+
+
+def collect(sub: FpmSubscriber, want: int, timeout_s: float = 5.0) -> list[wire.ForwardPassMetrics]:
+    got: list[wire.ForwardPassMetrics] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and sub.stats.received < want:
+        got.extend(sub.poll_batch(0.1))
+    got.extend(sub.poll_batch(0.05))
+    return got
+
+
+def payload_dict(counter: int, **extra: object) -> dict[str, object]:
+    return {
+        "version": 1,
+        "worker_id": "dyn",
+        "dp_rank": 0,
+        "counter_id": counter,
+        "wall_time": 0.02,
+        "scheduled_requests": {"num_decode_requests": 3, "sum_decode_kv_tokens": 300},
+        "queued_requests": {},
+        **extra,
+    }
+
+
+def frames_of(d: dict[str, object], seq: int | None = None) -> list[bytes]:
+    counter = d["counter_id"]
+    assert isinstance(counter, int)
+    return [b"", wire.encode_sequence(counter if seq is None else seq), msgspec.msgpack.encode(d)]
+
+
+def test_interop_payloads_dynamo_vllm_pr_and_unknown_keys(ctx: zmq.Context) -> None:
+    pub, ep = xpub(ctx)
+    with FpmSubscriber(context=ctx) as sub:
+        connect(sub, pub, ep)
+        pub.send_multipart(frames_of(payload_dict(0)))  # Dynamo/SGLang: no timing_scope
+        pub.send_multipart(frames_of(payload_dict(1, timing_scope="model_step_cuda")))
+        pub.send_multipart(frames_of(payload_dict(2, future_field=[1, 2], another={"x": 1})))
+        minimal = {"worker_id": "dyn", "counter_id": 3}  # missing keys take defaults
+        pub.send_multipart([b"", wire.encode_sequence(3), msgspec.msgpack.encode(minimal)])
+        got = collect(sub, 4)
+    assert [m.counter_id for m in got] == [0, 1, 2, 3]
+    assert got[1].timing_scope == "model_step_cuda"
+    assert got[0].scheduled_requests.num_decode_requests == 3
+    assert got[3].is_heartbeat
+    assert sub.stats.rejected == {}
+    state = sub.streams.get(("dyn", 0))
+    assert state is not None and state.messages == 4 and state.lost == 0
+    pub.close(0)
+
+
+def test_hostile_frames_are_counted_never_raised(ctx: zmq.Context) -> None:
+    pub, ep = xpub(ctx)
+    good = payload_dict(0)
+    with FpmSubscriber(context=ctx) as sub:
+        connect(sub, pub, ep)
+        hostile = [
+            [b"", wire.encode_sequence(0), b"\xc1 not msgpack"],
+            [b"", b"short", msgspec.msgpack.encode(good)],
+            [b"", wire.encode_sequence(0), msgspec.msgpack.encode([1, 2, 3])],
+            [b"", wire.encode_sequence(0), msgspec.msgpack.encode(payload_dict(0, version=2))],
+            [b"", wire.encode_sequence(0), msgspec.msgpack.encode(payload_dict(0, wall_time=-1.0))],
+            [b"", wire.encode_sequence(0), msgspec.msgpack.encode(payload_dict(0, dp_rank=-3))],
+            [b"", wire.encode_sequence(0), msgspec.msgpack.encode(payload_dict(0, worker_id=7))],
+            [b"", wire.encode_sequence(9), msgspec.msgpack.encode(good)],  # seq != counter
+            [b"", wire.encode_sequence(0), b"\x00" * (wire.MAX_PAYLOAD_BYTES + 1)],
+            [
+                b"",
+                wire.encode_sequence(0),
+                msgspec.msgpack.encode(
+                    payload_dict(0, scheduled_requests={"var_prefill_length": float("nan")})
+                ),
+            ],
+        ]
+        pub.send_multipart(frames_of(payload_dict(1)))  # the stream is known before the junk
+        got = collect(sub, 1)
+        for frames in hostile:
+            pub.send_multipart(frames)
+        for counter in range(2, 4):
+            pub.send_multipart(frames_of(payload_dict(counter)))
+        got += collect(sub, len(hostile) + 3)
+    assert [m.counter_id for m in got] == [1, 2, 3]
+    assert sub.stats.rejected == {
+        "not_msgpack": 1,
+        "sequence_length": 1,
+        "schema": 2,
+        "version": 1,
+        "value": 3,
+        "sequence_mismatch": 1,
+        "payload_too_large": 1,
+    }
+    assert sub.streams.rejected == sub.stats.rejected
+    state = sub.streams.get(("dyn", 0))
+    # Identity was readable (the dp_rank=-3 one belongs to another, unknown stream).
+    assert state is not None and state.rejected.get("value") == 2
+    pub.close(0)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_wrong_frame_counts_are_rejected_and_stream_recovers(ctx: zmq.Context, exact: bool) -> None:
+    pub, ep = xpub(ctx)
+    with FpmSubscriber(context=ctx, exact_framing=exact) as sub:
+        connect(sub, pub, ep)
+        counter = 0
+        for bad in ([b""], [b"", wire.encode_sequence(0)], [b"x"], [b"", b"1" * 8, b"p", b"q"]):
+            pub.send_multipart(bad)
+            pub.send_multipart(frames_of(payload_dict(counter)))
+            counter += 1
+        for _ in range(5):
+            pub.send_multipart(frames_of(payload_dict(counter)))
+            counter += 1
+        got = collect(sub, 13)
+    assert sub.stats.rejected.get("frame_count", 0) >= 4
+    # After the hostile burst every message is accepted again.
+    assert [m.counter_id for m in got][-5:] == list(range(4, 9))
+    if exact:  # exact framing loses nothing but the malformed messages
+        assert len(got) == 9
+    pub.close(0)
+
+
+def test_real_publisher_stream_with_background_thread(ctx: zmq.Context) -> None:
+    received: list[wire.ForwardPassMetrics] = []
+    lock = threading.Lock()
+
+    def sink(batch: list[wire.ForwardPassMetrics]) -> None:
+        with lock:
+            received.extend(batch)
+
+    with socket.socket() as probe:  # a free port for the publisher to bind
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    pub = FpmPublisher(endpoint, "pod-a", 1, heartbeat_interval_s=0.05, context=ctx)
+    with pub, FpmSubscriber(sink, context=ctx) as sub:
+        sub.start()
+        sub.add_endpoint(pub.endpoint)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not received:
+            time.sleep(0.02)  # wait for heartbeats: the connection is up
+        sched = wire.ScheduledRequestMetrics(num_decode_requests=4, sum_decode_kv_tokens=40)
+        for _ in range(200):
+            pub.publish(0.01, sched, wire.QueuedRequestMetrics(), "model_step_host")
+        while time.monotonic() < deadline:
+            with lock:
+                if sum(1 for m in received if not m.is_heartbeat) >= 200:
+                    break
+            time.sleep(0.02)
+        sub.remove_endpoint(pub.endpoint)
+        time.sleep(0.2)
+        assert pub.endpoint not in sub.endpoints
+    passes = [m for m in received if not m.is_heartbeat]
+    assert len(passes) == 200
+    assert all(m.worker_id == "pod-a" and m.dp_rank == 1 for m in received)
+    state = sub.streams.get(("pod-a", 1))
+    assert state is not None and state.passes == 200 and state.heartbeats >= 1
+
+
+def test_many_endpoints_one_socket_and_bad_endpoint(ctx: zmq.Context) -> None:
+    pubs = [xpub(ctx) for _ in range(4)]
+    with FpmSubscriber(context=ctx) as sub:
+        sub.add_endpoint("tcp://*:not-a-port")  # a bind-style address cannot be connected
+        for pub, ep in pubs:
+            connect(sub, pub, ep)
+        for i, (pub, _) in enumerate(pubs):
+            d = payload_dict(0)
+            d["worker_id"] = f"pod-{i}"
+            pub.send_multipart(frames_of(d))
+        got = collect(sub, 4)
+        assert sub.stats.endpoint_errors == 1
+        assert len(sub.endpoints) == 4
+    assert sorted(m.worker_id for m in got) == [f"pod-{i}" for i in range(4)]
+    for pub, _ in pubs:
+        pub.close(0)
+
+
+def test_sink_errors_do_not_stop_ingest(ctx: zmq.Context) -> None:
+    pub, ep = xpub(ctx)
+
+    def broken(batch: list[wire.ForwardPassMetrics]) -> None:
+        raise RuntimeError("sink bug")
+
+    with FpmSubscriber(broken, context=ctx) as sub:
+        connect(sub, pub, ep)
+        pub.send_multipart(frames_of(payload_dict(0)))
+        deadline = time.monotonic() + 5
+        while sub.stats.accepted == 0 and time.monotonic() < deadline:
+            sub.run_once(0.1)
+    assert sub.stats.sink_errors == 1
+    pub.close(0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(payload=st.binary(max_size=300), seq=st.binary(min_size=8, max_size=8))
+def test_fast_path_never_accepts_what_the_wire_module_rejects(payload: bytes, seq: bytes) -> None:
+    sub = FpmSubscriber(context=zmq.Context.instance())
+    try:
+        batch = sub._decode([seq], [payload])
+        try:
+            wire.decode_frames([b"", seq, payload])
+            wire_accepts = True
+        except wire.DecodeError:
+            wire_accepts = False
+        assert (len(batch) == 1) == wire_accepts
+        assert sub.stats.accepted + sum(sub.stats.rejected.values()) == 1
+    finally:
+        sub.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    d=st.fixed_dictionaries(
+        {
+            "counter_id": st.integers(-5, 2**64 - 1),
+            "dp_rank": st.integers(-2, 10),
+            "wall_time": st.one_of(st.floats(allow_nan=True), st.integers(-1, 5)),
+            "version": st.integers(0, 3),
+            "scheduled_requests": st.fixed_dictionaries(
+                {"num_decode_requests": st.integers(-3, 10**6), "var_decode_kv_tokens": st.floats()}
+            ),
+        }
+    )
+)
+def test_fast_path_agrees_with_wire_on_structured_input(d: dict[str, object]) -> None:
+    payload = msgspec.msgpack.encode(d)
+    counter = d["counter_id"]
+    assert isinstance(counter, int)
+    seq = wire.encode_sequence(max(0, counter))
+    sub = FpmSubscriber(context=zmq.Context.instance())
+    try:
+        accepted = len(sub._decode([seq], [payload])) == 1
+        try:
+            wire.decode_frames([b"", seq, payload])
+            wire_accepts = True
+        except wire.DecodeError:
+            wire_accepts = False
+        assert accepted == wire_accepts
+    finally:
+        sub.close()
