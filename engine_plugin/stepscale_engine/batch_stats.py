@@ -18,6 +18,7 @@ request.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -77,6 +78,24 @@ def scheduled_metrics(
         prefill_len_sq += full * full
 
     cached = scheduler_output.scheduled_cached_reqs
+    computed_list: Sequence[int] = cached.num_computed_tokens
+    # Fast path for the common pure-decode batch: every scheduled request takes
+    # at least one token, so if the cached requests' tokens add up to their
+    # count, each computes exactly one; with none in its context phase they are
+    # all decodes, and the sums are C-level reductions over vLLM's own lists.
+    if (
+        not spec_tokens
+        and scheduler_output.total_num_scheduled_tokens - prefill_tokens == len(computed_list)
+        and 0 not in cached.num_output_tokens
+    ):
+        n_decode = len(computed_list)
+        decode_kv = sum(computed_list)
+        decode_kv_sq = sum(map(operator.mul, computed_list, computed_list))
+        return _metrics(
+            n_prefill, prefill_tokens, prefill_len_sum, prefill_len_sq, prefill_kv,
+            n_decode, decode_kv, decode_kv_sq,
+        )
+
     n_decode = 0
     decode_kv = 0
     decode_kv_sq = 0
@@ -98,6 +117,22 @@ def scheduled_metrics(
             decode_kv += computed
             decode_kv_sq += computed * computed
 
+    return _metrics(
+        n_prefill, prefill_tokens, prefill_len_sum, prefill_len_sq, prefill_kv,
+        n_decode, decode_kv, decode_kv_sq,
+    )
+
+
+def _metrics(
+    n_prefill: int,
+    prefill_tokens: int,
+    prefill_len_sum: float,
+    prefill_len_sq: float,
+    prefill_kv: int,
+    n_decode: int,
+    decode_kv: int,
+    decode_kv_sq: int,
+) -> ScheduledRequestMetrics:
     return ScheduledRequestMetrics(
         num_prefill_requests=n_prefill,
         sum_prefill_tokens=prefill_tokens,

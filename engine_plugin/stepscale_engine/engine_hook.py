@@ -110,7 +110,9 @@ class EngineHook:
         self._consecutive_errors += 1
         self._rate_log.warning(where, "Stepscale FPM hook error in %s: %r", where, exc)
         if self._consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
-            log.error("Stepscale FPM hook disabled after %d consecutive errors", self.errors)
+            log.error(
+                "Stepscale FPM hook disabled after %d consecutive errors", self._consecutive_errors
+            )
             self.enabled = False
 
     # -- wrapped calls -----------------------------------------------------------

@@ -110,64 +110,83 @@ def scan_queued_metrics(queues: Iterable[Iterable[Any]]) -> QueuedRequestMetrics
     return agg.to_metrics()
 
 
-class _TrackedQueueMixin:
-    """Mixed into a vLLM RequestQueue class; keeps ``_stepscale_agg`` current."""
+def _enter(queue: Any, request: Any) -> None:
+    key = id(request)
+    if key in queue._stepscale_contrib:  # already counted: never count twice
+        return
+    contribution = request_contribution(request)
+    queue._stepscale_contrib[key] = contribution
+    queue._stepscale_agg.add(*contribution)
 
-    _stepscale_agg: QueueAggregates
-    _stepscale_contrib: dict[int, tuple[bool, int]]
 
-    def _ss_enter(self, request: Any) -> None:
-        key = id(request)
-        if key in self._stepscale_contrib:  # already counted: never count twice
-            return
-        contribution = request_contribution(request)
-        self._stepscale_contrib[key] = contribution
-        self._stepscale_agg.add(*contribution)
+def _leave(queue: Any, request: Any) -> None:
+    contribution = queue._stepscale_contrib.pop(id(request), None)
+    if contribution is not None:
+        queue._stepscale_agg.add(*contribution, sign=-1)
 
-    def _ss_leave(self, request: Any) -> None:
-        contribution = self._stepscale_contrib.pop(id(request), None)
-        if contribution is not None:
-            self._stepscale_agg.add(*contribution, sign=-1)
 
-    def add_request(self, request: Any) -> None:
-        super().add_request(request)  # type: ignore[misc]
-        self._ss_enter(request)
+def _tracking_methods(base: type) -> dict[str, Any]:
+    """Mutators of ``base`` that also keep the running sums current.
 
-    def pop_request(self) -> Any:
-        request = super().pop_request()  # type: ignore[misc]
-        self._ss_leave(request)
+    They call ``base``'s own methods explicitly: the tracked class has ``base``
+    as its only parent, so its instance layout is identical and ``__class__``
+    can be swapped for any queue class (a deque subclass or a plain object).
+    """
+
+    def add_request(self: Any, request: Any) -> None:
+        base.add_request(self, request)  # type: ignore[attr-defined]
+        _enter(self, request)
+
+    def pop_request(self: Any) -> Any:
+        request = base.pop_request(self)  # type: ignore[attr-defined]
+        _leave(self, request)
         return request
 
-    def prepend_request(self, request: Any) -> None:
-        super().prepend_request(request)  # type: ignore[misc]
-        self._ss_enter(request)
+    def prepend_request(self: Any, request: Any) -> None:
+        base.prepend_request(self, request)  # type: ignore[attr-defined]
+        _enter(self, request)
 
-    def prepend_requests(self, requests: Iterable[Any]) -> None:
+    def prepend_requests(self: Any, requests: Iterable[Any]) -> None:
         batch = list(requests)
-        super().prepend_requests(batch)  # type: ignore[misc]
+        base.prepend_requests(self, batch)  # type: ignore[attr-defined]
         for request in batch:
-            self._ss_enter(request)
+            _enter(self, request)
 
-    def remove_request(self, request: Any) -> None:
-        super().remove_request(request)  # type: ignore[misc]
-        self._ss_leave(request)
+    def remove_request(self: Any, request: Any) -> None:
+        base.remove_request(self, request)  # type: ignore[attr-defined]
+        _leave(self, request)
 
-    def remove_requests(self, requests: Iterable[Any]) -> None:
+    def remove_requests(self: Any, requests: Iterable[Any]) -> None:
         batch = list(requests)
-        super().remove_requests(batch)  # type: ignore[misc]
+        base.remove_requests(self, batch)  # type: ignore[attr-defined]
         for request in batch:
-            self._ss_leave(request)
+            _leave(self, request)
+
+    return {
+        "add_request": add_request,
+        "pop_request": pop_request,
+        "prepend_request": prepend_request,
+        "prepend_requests": prepend_requests,
+        "remove_request": remove_request,
+        "remove_requests": remove_requests,
+    }
 
 
+# Original queue class -> its tracked subclass.
 _subclass_cache: dict[type, type] = {}
 
 
 def _tracked_class(cls: type) -> type:
     tracked = _subclass_cache.get(cls)
     if tracked is None:
-        tracked = type(f"Tracked{cls.__name__}", (_TrackedQueueMixin, cls), {})
+        tracked = type(f"Tracked{cls.__name__}", (cls,), _tracking_methods(cls))
         _subclass_cache[cls] = tracked
     return tracked
+
+
+def is_tracked(queue: Any) -> bool:
+    """True if ``queue`` already keeps Stepscale's running sums."""
+    return type(queue) in _subclass_cache.values()
 
 
 class QueueTracker:
@@ -190,7 +209,7 @@ class QueueTracker:
             queue = getattr(scheduler, name, None)
             if queue is None or not all(hasattr(queue, m) for m in _TRACKED_METHODS):
                 continue
-            if not isinstance(queue, _TrackedQueueMixin):
+            if not is_tracked(queue):
                 queue.__class__ = _tracked_class(type(queue))
                 queue._stepscale_contrib = {}
                 queue._stepscale_agg = QueueAggregates()
