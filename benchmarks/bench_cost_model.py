@@ -35,6 +35,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import numpy.typing as npt
+
 from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics
 from stepscale_operator.cost_model import CostModel, sched_matrix
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import msgspec
 import zmq
+
 from stepscale_engine import wire
 from stepscale_operator.fpm_pipeline import DeploymentModel
 from stepscale_operator.subscriber import FpmSubscriber

@@ -60,8 +60,9 @@ def drive_engine(config_name: str, phase_s: float, seed: int) -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from stepscale_engine.tiny_model import build_tiny_llama
     from vllm import LLM, SamplingParams
+
+    from stepscale_engine.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(Path(tempfile.gettempdir()) / "stepscale-tiny-llama")
     llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",

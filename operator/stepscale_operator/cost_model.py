@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from stepscale_engine.wire import ScheduledRequestMetrics
 
 StreamKey = tuple[str, int]

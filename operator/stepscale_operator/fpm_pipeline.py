@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from msgspec.structs import astuple
+
 from stepscale_engine.wire import (
     ForwardPassMetrics,
     QueuedRequestMetrics,
     ScheduledRequestMetrics,
 )
-
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.load_estimate import LoadEstimator
 from stepscale_operator.load_types import LoadEstimate

@@ -37,12 +37,12 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
+
 from stepscale_engine.wire import (
     ForwardPassMetrics,
     QueuedRequestMetrics,
     ScheduledRequestMetrics,
 )
-
 from stepscale_operator.load_types import LoadEstimate
 
 StreamKey = tuple[str, int]

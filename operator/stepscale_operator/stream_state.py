@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+
 from stepscale_engine import wire
 from stepscale_engine.wire import ForwardPassMetrics, FrameError
 

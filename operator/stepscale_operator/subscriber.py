@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 import zmq
+
 from stepscale_engine import wire
 from stepscale_engine.rate_limited_log import RateLimitedLog
 from stepscale_engine.wire import DecodeError, ForwardPassMetrics, FrameError
-
 from stepscale_operator.fpm_pipeline import (
     COL_COUNTER,
     COL_VERSION,

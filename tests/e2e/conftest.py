@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import zmq
+
 from stepscale_engine import wire
 from stepscale_engine.tiny_model import build_tiny_llama
 

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import nnls
+
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.cost_model import (
     FEATURE_NAMES,

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+
 from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics, heartbeat
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch, PassMatrices

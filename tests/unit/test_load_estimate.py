@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from stepscale_engine.wire import (
     ForwardPassMetrics,
     QueuedRequestMetrics,

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import pytest
+
 from stepscale_engine import plugin
 from stepscale_engine.plugin import PluginConfig
 

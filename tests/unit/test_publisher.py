@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+
 from stepscale_engine import wire
 from stepscale_engine.publisher import FpmPublisher
 from stepscale_engine.wire import QueuedRequestMetrics, ScheduledRequestMetrics

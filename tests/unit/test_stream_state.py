@@ -6,6 +6,7 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from stepscale_engine.wire import ForwardPassMetrics, FrameError, heartbeat
 from stepscale_operator.stream_state import StreamTable
 

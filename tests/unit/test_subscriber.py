@@ -12,6 +12,7 @@ import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from stepscale_engine import wire
 from stepscale_engine.publisher import FpmPublisher
 from stepscale_operator.subscriber import FpmSubscriber

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from stepscale_engine import wire
 from stepscale_engine.wire import (
     DecodeError,

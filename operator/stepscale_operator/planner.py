@@ -1,0 +1,656 @@
+"""Planner: turns a step-time model and a load estimate into a replica count.
+
+Pure and deterministic, no I/O. The only state a :class:`Planner` keeps is the
+history of its own recommendations, which the scale-down stabilization window
+needs; the same sequence of ``decide`` calls always gives the same decisions.
+
+Capacity model (per replica, load spread evenly by the router):
+
+* Steps come in two kinds. A *prefill step* carries one chunk of a prompt
+  (chunked prefill shares ``max_num_batched_tokens`` with the decodes) plus the
+  decode batch; a *decode step* carries only the decode batch. Modelling the two
+  kinds apart, instead of one "average" step, keeps a convex step-time function
+  (memory floor, then compute bound) from being underestimated.
+* Steady state is a fixed point in the mean step time ``s``: the decode batch is
+  ``B = decode_tokens_per_s * s``; prompts arrive at ``r`` per second, each taking
+  ``n_c`` prefill steps, so the share of time spent on the extra prefill work is
+  ``r * n_c * (f_p - f_d)`` and ``s = f_d / (1 - that share)``.
+* ITL is the mean step time, with a tail for short requests that happen to share
+  many steps with prefills (binomial count of prefill steps over ``k`` tokens).
+* TTFT is the prefill service time plus queueing for the prefill "server"
+  (M/G/1 mean wait, Kingman-style exponential tail for the quantile) plus the
+  residual of the step in progress.
+
+The target is the smallest replica count whose predicted TTFT and ITL (at the
+planning quantile) are within the SLO less a margin.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from statistics import NormalDist
+from typing import Protocol
+
+from stepscale_engine.wire import ScheduledRequestMetrics
+from stepscale_operator.load_types import LoadEstimate
+
+# Step times beyond this are "the engine cannot keep up", not a latency.
+_DIVERGED_STEP_S = 30.0
+_FIXED_POINT_ITERATIONS = 60
+_FIXED_POINT_TOLERANCE = 1e-4
+
+
+class StepTimePredictor(Protocol):
+    """Anything that predicts the wall time (seconds) of one forward pass."""
+
+    def predict(self, sched: ScheduledRequestMetrics) -> float:
+        """Predicted wall time of a pass that executes ``sched``, in seconds."""
+        ...
+
+
+class _RememberedPredictions:
+    """Caches a predictor's answers within one decision (the searches repeat batches)."""
+
+    def __init__(self, predictor: StepTimePredictor) -> None:
+        self._predictor = predictor
+        self._seen: dict[ScheduledRequestMetrics, float] = {}
+
+    def predict(self, sched: ScheduledRequestMetrics) -> float:
+        """The wrapped predictor's answer, computed once per distinct batch."""
+        value = self._seen.get(sched)
+        if value is None:
+            value = self._predictor.predict(sched)
+            self._seen[sched] = value
+        return value
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    """Latency targets: time to first token and inter-token latency, milliseconds."""
+
+    ttft_ms: float
+    itl_ms: float
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Scheduler limits of one engine (vLLM's flags of the same names)."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    kv_capacity_tokens: int = 400_000
+
+
+@dataclass(frozen=True)
+class ReplicaCounts:
+    """Replicas serving now, and the start times of those still starting."""
+
+    ready: int
+    starting_since: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlannerPolicy:
+    """Tunables of the planner; defaults suit pods that start in about a minute."""
+
+    margin: float = 0.10  # predicted latency must be within (1 - margin) * SLO
+    hysteresis: float = 0.04  # extra headroom required before removing replicas
+    model_error_weight: float = 0.25  # margin grows by this times the model's MAPE
+    max_model_error_margin: float = 0.15
+    max_surge: int = 8  # replicas added by one decision at most
+    scale_down_step: int = 1  # replicas removed by one decision at most
+    scale_down_stabilization_s: float = 120.0
+    starting_timeout_s: float = 600.0  # a pod starting longer than this is not counted
+    max_load_age_s: float = 30.0  # older load estimates are stale
+    lookahead_extra_s: float = 10.0  # added to the pod start-up time (one decision period)
+    # A trend measured over a short window is noisy: use half of it, and let it
+    # raise the planned load by at most 30%.
+    trend_weight: float = 0.5
+    max_forecast_ratio: float = 1.3
+    latency_quantile: float = 0.99  # TTFT/ITL are planned at this quantile
+    prompt_tail_ratio: float = 3.5  # the quantile prompt is this many times the mean
+    service_cv2: float = 1.0  # squared coefficient of variation of prefill service time
+    # The ITL tail is set by short requests: plan for one with this share of the
+    # mean output length (calibrated on simulated Azure-like traffic).
+    itl_tail_output_fraction: float = 0.08
+    min_itl_tail_tokens: float = 4.0
+    queue_per_replica_target: float = 4.0  # queue rule used before the model is ready
+    advisory: bool = False  # decide and explain, but change nothing
+
+
+@dataclass(frozen=True)
+class PlannerInputs:
+    """Everything one decision depends on."""
+
+    predictor: StepTimePredictor
+    model_ready: bool
+    model_mape: float | None
+    load: LoadEstimate | None
+    load_time: float | None  # when ``load`` was computed (same clock as ``now``)
+    replicas: ReplicaCounts
+    slo: SloTargets
+    min_replicas: int
+    max_replicas: int
+    engine: EngineLimits
+    pod_startup_s: float
+
+
+@dataclass(frozen=True)
+class PerReplicaLoad:
+    """The load one replica carries when the fleet load is split evenly."""
+
+    prefill_tokens_per_s: float
+    prefill_requests_per_s: float
+    decode_tokens_per_s: float
+    mean_prompt_tokens: float  # full prompt, cache hits included
+    mean_cached_tokens: float  # of which served from the prefix cache
+    mean_decode_context_tokens: float
+
+    @classmethod
+    def from_estimate(cls, load: LoadEstimate, replicas: int) -> PerReplicaLoad:
+        """Split a fleet-wide estimate over ``replicas`` replicas."""
+        n = max(replicas, 1)
+        mean_prompt = max(load.mean_prompt_tokens, 0.0)
+        cached = mean_prompt * min(max(load.prefix_cache_hit_fraction, 0.0), 1.0)
+        return cls(
+            prefill_tokens_per_s=max(load.prefill_tokens_per_s, 0.0) / n,
+            prefill_requests_per_s=max(load.prefill_requests_per_s, 0.0) / n,
+            decode_tokens_per_s=max(load.decode_tokens_per_s, 0.0) / n,
+            mean_prompt_tokens=mean_prompt,
+            mean_cached_tokens=cached,
+            mean_decode_context_tokens=max(load.mean_decode_context_tokens, 0.0),
+        )
+
+
+@dataclass(frozen=True)
+class LatencyPrediction:
+    """Predicted steady-state latencies of one replica; ``inf`` when overloaded."""
+
+    replicas: int
+    ttft_ms: float  # at the planning quantile
+    itl_ms: float  # at the planning quantile
+    ttft_mean_ms: float
+    itl_mean_ms: float
+    step_time_ms: float
+    decode_batch: float
+    prefill_utilisation: float  # share of time the prefill "server" is busy
+    bottleneck: str  # "" when feasible, else what saturates
+
+    @property
+    def feasible(self) -> bool:
+        """False when the replica cannot keep up with the load at all."""
+        return not self.bottleneck
+
+    def within(self, slo: SloTargets, margin: float) -> bool:
+        """True when both latencies are within ``(1 - margin)`` of their targets."""
+        scale = 1.0 - margin
+        return (
+            self.feasible
+            and self.ttft_ms <= slo.ttft_ms * scale
+            and self.itl_ms <= slo.itl_ms * scale
+        )
+
+
+def _overloaded(replicas: int, bottleneck: str, step_s: float, batch: float) -> LatencyPrediction:
+    return LatencyPrediction(
+        replicas=replicas,
+        ttft_ms=math.inf,
+        itl_ms=math.inf,
+        ttft_mean_ms=math.inf,
+        itl_mean_ms=math.inf,
+        step_time_ms=step_s * 1e3,
+        decode_batch=batch,
+        prefill_utilisation=1.0,
+        bottleneck=bottleneck,
+    )
+
+
+def predict_latency(
+    predictor: StepTimePredictor,
+    load: PerReplicaLoad,
+    engine: EngineLimits,
+    policy: PlannerPolicy,
+    replicas: int = 1,
+) -> LatencyPrediction:
+    """Steady-state TTFT/ITL of one replica carrying ``load`` (see module docstring)."""
+    rate = load.prefill_requests_per_s
+    tokens = load.prefill_tokens_per_s
+    if rate <= 0.0 and tokens > 0.0:
+        rate = tokens / max(load.mean_prompt_tokens - load.mean_cached_tokens, 1.0)
+    # Tokens actually computed per prompt; the cached part only adds KV reads.
+    prompt = tokens / rate if rate > 0.0 else max(load.mean_prompt_tokens, 1.0)
+    prompt = max(prompt, 1.0)
+    cached = load.mean_cached_tokens
+    context = load.mean_decode_context_tokens
+    budget = engine.max_num_batched_tokens
+
+    def pass_time(batch: float, chunk: float, prior_kv: float) -> float:
+        # The predictor takes whole requests; interpolate between the two batch
+        # sizes around a fractional mean so the fixed point moves smoothly.
+        low = math.floor(batch)
+        weight = batch - low
+
+        def at(b: int) -> float:
+            return predictor.predict(
+                ScheduledRequestMetrics(
+                    num_prefill_requests=1 if chunk > 0.0 else 0,
+                    sum_prefill_tokens=int(round(chunk)),
+                    sum_prefill_kv_tokens=int(round(prior_kv)),
+                    num_decode_requests=b,
+                    sum_decode_kv_tokens=int(round(b * context)),
+                )
+            )
+
+        base = at(low)
+        return base if weight <= 1e-9 else base + weight * (at(low + 1) - base)
+
+    def decode_pass(batch: float) -> float:
+        return pass_time(batch, 0.0, 0.0)
+
+    def prefill_pass(chunk: float, prior_kv: float, batch: float) -> float:
+        return pass_time(batch, max(chunk, 1.0), prior_kv)
+
+    step = max(decode_pass(1.0), 1e-6)
+    batch = 0.0
+    f_d = f_p = step
+    chunks = 1.0
+    for _ in range(_FIXED_POINT_ITERATIONS):
+        batch = load.decode_tokens_per_s * step
+        if batch > engine.max_num_seqs:
+            return _overloaded(replicas, "max_num_seqs", step, batch)
+        if batch * context + prompt + cached > engine.kv_capacity_tokens:
+            return _overloaded(replicas, "kv_capacity", step, batch)
+        # At least one decode in the pass whenever there is decode work at all.
+        pass_batch = max(batch, 1.0) if load.decode_tokens_per_s > 0.0 else 0.0
+        chunk_room = budget - math.ceil(pass_batch)
+        if chunk_room < 1:
+            return _overloaded(replicas, "token_budget", step, batch)
+        # Fractional chunk count keeps the prediction monotone in the load.
+        chunks = max(1.0, prompt / chunk_room)
+        chunk = prompt / chunks
+        f_d = decode_pass(pass_batch)
+        f_p = prefill_pass(chunk, cached + chunk * (chunks - 1.0) / 2.0, pass_batch)
+        extra_share = rate * chunks * max(f_p - f_d, 0.0)
+        if extra_share >= 1.0:
+            return _overloaded(replicas, "prefill_compute", step, batch)
+        new_step = f_d / (1.0 - extra_share)
+        if new_step > _DIVERGED_STEP_S:
+            return _overloaded(replicas, "step_time", new_step, batch)
+        converged = abs(new_step - step) <= _FIXED_POINT_TOLERANCE * step
+        step = new_step
+        if converged:
+            break
+
+    z = NormalDist().inv_cdf(policy.latency_quantile)
+    q_tail = 1.0 - policy.latency_quantile
+    # ITL: mean step, plus the spread of a short request's mean: the prompts that
+    # arrive during its life are a compound Poisson count (prompt sizes vary).
+    prefill_step_share = rate * chunks * step
+    mean_output = load.decode_tokens_per_s / rate if rate > 0.0 else 1.0
+    tail_tokens = max(mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens)
+    spread = max(f_p - f_d, 0.0) * math.sqrt(
+        prefill_step_share * (1.0 + policy.service_cv2) / tail_tokens
+    )
+    itl_mean = step
+    itl_q = step + z * spread
+
+    # TTFT: M/G/1 on the prefill server, Kingman-style exponential tail.
+    service = chunks * f_p
+    rho = rate * service
+    if rho >= 1.0:
+        return _overloaded(replicas, "prefill_queue", step, batch)
+    wait_mean = rho * service * (1.0 + policy.service_cv2) / (2.0 * (1.0 - rho))
+    wait_q = 0.0
+    if rho > q_tail:
+        wait_q = (wait_mean / rho) * math.log(rho / q_tail)
+    ttft_mean = wait_mean + service + f_d / 2.0
+    ttft_q = wait_q + service * policy.prompt_tail_ratio + f_d
+    return LatencyPrediction(
+        replicas=replicas,
+        ttft_ms=ttft_q * 1e3,
+        itl_ms=itl_q * 1e3,
+        ttft_mean_ms=ttft_mean * 1e3,
+        itl_mean_ms=itl_mean * 1e3,
+        step_time_ms=step * 1e3,
+        decode_batch=batch,
+        prefill_utilisation=rho,
+        bottleneck="",
+    )
+
+
+def forecast_load(load: LoadEstimate, horizon_s: float, max_ratio: float) -> LoadEstimate:
+    """The load expected ``horizon_s`` ahead from its trend; never below today's load.
+
+    A falling trend is ignored: the planner never removes capacity on a forecast,
+    only on what it measured.
+    """
+    horizon = max(horizon_s, 0.0)
+
+    def ahead(rate: float, trend: float) -> float:
+        if rate <= 0.0:
+            return max(trend, 0.0) * horizon
+        return min(rate + max(trend, 0.0) * horizon, rate * max_ratio)
+
+    prefill = ahead(load.prefill_tokens_per_s, load.prefill_tokens_per_s_trend)
+    decode = ahead(load.decode_tokens_per_s, load.decode_tokens_per_s_trend)
+    ratio = prefill / load.prefill_tokens_per_s if load.prefill_tokens_per_s > 0.0 else 1.0
+    requests = load.prefill_requests_per_s * ratio
+    if requests <= 0.0 and prefill > 0.0:
+        requests = prefill / max(load.mean_prompt_tokens, 1.0)
+    return replace(
+        load,
+        prefill_tokens_per_s=prefill,
+        decode_tokens_per_s=decode,
+        prefill_requests_per_s=requests,
+        prefill_cached_tokens_per_s=load.prefill_cached_tokens_per_s * ratio,
+    )
+
+
+def smallest_replicas_within_slo(
+    meets: Callable[[int], bool], low: int, high: int
+) -> tuple[int, bool]:
+    """Smallest n in [low, high] with ``meets(n)``; (high, False) if none does.
+
+    ``meets`` must be monotone (more replicas never hurt), so a binary search is
+    enough.
+    """
+    if high < low:
+        return high, False
+    if not meets(high):
+        return high, False
+    lo, hi = low, high
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, True
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One planner decision, explainable from ``inputs``.
+
+    ``desired_replicas`` is what the planner recommends; ``apply`` is False when
+    nothing should change (a hold, or advisory mode).
+    """
+
+    time: float
+    desired_replicas: int
+    current_replicas: int  # ready + starting, as the Deployment counts them
+    action: str  # "scale_up", "scale_down" or "hold"
+    apply: bool
+    reason: str
+    confidence: float
+    predicted_current: LatencyPrediction | None  # at the ready replicas
+    predicted_desired: LatencyPrediction | None
+    inputs: dict[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form for status, events and logs."""
+        return asdict(self)
+
+
+@dataclass
+class _Recommendation:
+    time: float
+    replicas: int
+
+
+class Planner:
+    """Decides the replica count of one deployment; call :meth:`decide` each period."""
+
+    def __init__(self, policy: PlannerPolicy | None = None) -> None:
+        self.policy = policy or PlannerPolicy()
+        self._history: list[_Recommendation] = []
+        self._first_decision_time: float | None = None
+
+    def decide(self, inputs: PlannerInputs, now: float) -> Decision:
+        """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``)."""
+        policy = self.policy
+        if self._first_decision_time is None:
+            self._first_decision_time = now
+        timed_out = sum(
+            1 for t in inputs.replicas.starting_since if now - t > policy.starting_timeout_s
+        )
+        total = inputs.replicas.ready + len(inputs.replicas.starting_since)
+        coming = total - timed_out  # capacity that is serving or will be
+        record: dict[str, object] = {
+            "ready": inputs.replicas.ready,
+            "starting": len(inputs.replicas.starting_since),
+            "starting_timed_out": timed_out,
+            "model_ready": inputs.model_ready,
+            "model_mape": inputs.model_mape,
+            "load": inputs.load.to_dict() if inputs.load is not None else None,
+            "load_age_s": (now - inputs.load_time) if inputs.load_time is not None else None,
+            "slo": asdict(inputs.slo),
+            "min_replicas": inputs.min_replicas,
+            "max_replicas": inputs.max_replicas,
+            "engine": asdict(inputs.engine),
+            "pod_startup_s": inputs.pod_startup_s,
+            "policy": asdict(policy),
+        }
+        lo, hi = inputs.min_replicas, max(inputs.max_replicas, inputs.min_replicas)
+
+        stale_reason = self._stale_reason(inputs, now)
+        if stale_reason:
+            desired = min(max(total, lo), hi)
+            self._remember(now, desired)
+            return self._finish(
+                inputs,
+                now,
+                total,
+                desired,
+                f"hold: {stale_reason}; never scale down on missing data",
+                0.0,
+                record,
+                None,
+                None,
+            )
+        assert inputs.load is not None
+
+        if not inputs.model_ready:
+            return self._queue_rule(inputs, now, total, lo, hi, record)
+
+        mape = inputs.model_mape if inputs.model_mape is not None else 0.0
+        margin = policy.margin + min(
+            policy.model_error_weight * max(mape, 0.0), policy.max_model_error_margin
+        )
+        horizon = inputs.pod_startup_s + policy.lookahead_extra_s
+        planned = forecast_load(
+            inputs.load, horizon * policy.trend_weight, policy.max_forecast_ratio
+        )
+        record["planned_load"] = planned.to_dict()
+        record["effective_margin"] = margin
+        record["lookahead_s"] = horizon
+
+        predictor = _RememberedPredictions(inputs.predictor)
+
+        def prediction(n: int, load: LoadEstimate = planned) -> LatencyPrediction:
+            return predict_latency(
+                predictor,
+                PerReplicaLoad.from_estimate(load, n),
+                inputs.engine,
+                policy,
+                n,
+            )
+
+        measured = inputs.load
+
+        search_high = max(hi, coming, 1)
+        if planned.prefill_tokens_per_s <= 0.0 and planned.decode_tokens_per_s <= 0.0:
+            needed, reachable = 0, True
+            down_ok = 0
+        else:
+            needed, reachable = smallest_replicas_within_slo(
+                lambda n: prediction(n).within(inputs.slo, margin), 1, search_high
+            )
+            # Removing capacity is judged on the measured load, not on a forecast:
+            # survivors must carry today's load with the wider margin.
+            down_ok, _ = smallest_replicas_within_slo(
+                lambda n: prediction(n, measured).within(inputs.slo, margin + policy.hysteresis),
+                1,
+                search_high,
+            )
+            down_ok = max(down_ok, needed)
+        record["needed_replicas"] = needed
+        record["scale_down_floor"] = down_ok
+        confidence = max(0.0, 1.0 - 2.0 * mape) * (1.0 if reachable else 0.5)
+
+        if needed + timed_out > total or total < lo:
+            target = max(needed + timed_out, lo)
+            desired = min(target, total + policy.max_surge, hi)
+            self._remember(now, desired)
+            why = (
+                f"scale up: predicted latency at {coming} replicas exceeds the SLO less "
+                f"{margin:.0%} margin for the load {horizon:.0f}s ahead; {needed} needed"
+            )
+            if timed_out:
+                why += f", plus {timed_out} replacing pods stuck starting"
+            if not reachable:
+                why += f" (SLO not reachable even at {search_high})"
+            if desired < target:
+                why += f"; limited to {desired} by max surge/max replicas"
+            return self._finish(
+                inputs,
+                now,
+                total,
+                desired,
+                why,
+                confidence,
+                record,
+                prediction(max(inputs.replicas.ready, 1)),
+                prediction(max(desired - timed_out, 1)),
+            )
+
+        candidate = max(down_ok + timed_out, lo)
+        self._remember(now, candidate)
+        stabilised = max(r.replicas for r in self._history)
+        window_covered = now - self._first_decision_time >= policy.scale_down_stabilization_s
+        record["stabilised_recommendation"] = stabilised
+        if candidate < total and window_covered and stabilised < total:
+            desired = max(stabilised, total - policy.scale_down_step, lo)
+            n_after = max(desired - timed_out, 1)
+            why = (
+                f"scale down: survivors at {n_after} replicas, each carrying "
+                f"{coming}/{n_after} of today's share, are predicted within the SLO less "
+                f"{margin + policy.hysteresis:.0%}, for the whole "
+                f"{policy.scale_down_stabilization_s:.0f}s stabilization window"
+            )
+            return self._finish(
+                inputs,
+                now,
+                total,
+                min(desired, hi),
+                why,
+                confidence,
+                record,
+                prediction(max(inputs.replicas.ready, 1)),
+                prediction(n_after, measured),
+            )
+        if candidate < total:
+            why = (
+                f"hold: {candidate} would do, but scale-down waits for the "
+                f"{policy.scale_down_stabilization_s:.0f}s stabilization window "
+                f"(highest recent recommendation {stabilised})"
+            )
+        else:
+            why = f"hold: {total} replicas meet the SLO with margin; fewer would not"
+        desired = min(max(total, lo), hi)
+        return self._finish(
+            inputs,
+            now,
+            total,
+            desired,
+            why,
+            confidence,
+            record,
+            prediction(max(inputs.replicas.ready, 1)),
+            prediction(max(desired - timed_out, 1)),
+        )
+
+    # -- pieces ------------------------------------------------------------------
+
+    def _stale_reason(self, inputs: PlannerInputs, now: float) -> str:
+        load = inputs.load
+        if load is None or inputs.load_time is None:
+            return "no load estimate"
+        if now - inputs.load_time > self.policy.max_load_age_s:
+            return f"load estimate is {now - inputs.load_time:.0f}s old"
+        if not load.complete:
+            return f"metrics missing from {load.streams_missing} of {load.streams_total} streams"
+        return ""
+
+    def _queue_rule(
+        self,
+        inputs: PlannerInputs,
+        now: float,
+        total: int,
+        lo: int,
+        hi: int,
+        record: dict[str, object],
+    ) -> Decision:
+        """Before the model is ready: scale up on queued requests, never down."""
+        assert inputs.load is not None
+        queued = inputs.load.queued_prefill_requests + inputs.load.queued_decode_requests
+        serving = max(inputs.replicas.ready, 1)
+        per_replica = queued / serving
+        record["queued_per_replica"] = per_replica
+        target = self.policy.queue_per_replica_target
+        needed = math.ceil(serving * per_replica / target) if per_replica > target else 0
+        if needed > total or total < lo:
+            desired = min(max(needed, lo), total + self.policy.max_surge, hi)
+            why = (
+                f"scale up (cost model not ready): {per_replica:.1f} queued requests per "
+                f"replica exceed the target {target:.1f}"
+            )
+        else:
+            desired = min(max(total, lo), hi)
+            why = (
+                f"hold (cost model not ready): {per_replica:.1f} queued requests per replica; "
+                "the queue rule never scales down"
+            )
+        self._remember(now, desired)
+        return self._finish(inputs, now, total, desired, why, 0.3, record, None, None)
+
+    def _remember(self, now: float, replicas: int) -> None:
+        self._history.append(_Recommendation(now, replicas))
+        horizon = now - self.policy.scale_down_stabilization_s
+        self._history = [r for r in self._history if r.time >= horizon]
+
+    def _finish(
+        self,
+        inputs: PlannerInputs,
+        now: float,
+        total: int,
+        desired: int,
+        reason: str,
+        confidence: float,
+        record: dict[str, object],
+        predicted_current: LatencyPrediction | None,
+        predicted_desired: LatencyPrediction | None,
+    ) -> Decision:
+        if desired > total:
+            action = "scale_up"
+        elif desired < total:
+            action = "scale_down"
+        else:
+            action = "hold"
+        advisory = self.policy.advisory
+        if advisory and action != "hold":
+            reason = f"advisory, not applied: {reason}"
+        return Decision(
+            time=now,
+            desired_replicas=desired,
+            current_replicas=total,
+            action=action,
+            apply=action != "hold" and not advisory,
+            reason=reason,
+            confidence=round(confidence, 4),
+            predicted_current=predicted_current,
+            predicted_desired=predicted_desired,
+            inputs=record,
+        )

@@ -1,0 +1,177 @@
+"""Results of simulated runs: per-request latencies, SLO attainment, GPU-hours, table, plot.
+
+ITL of a request is its mean inter-token latency, ``(finish - first token) /
+(output tokens - 1)``; requests with one output token have no ITL and count as
+meeting the ITL target. A request that never finished counts as missing both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from stepscale_operator.planner import SloTargets
+from stepscale_operator.simulator.fleet import SimResult
+
+
+@dataclass(frozen=True)
+class RequestLatencies:
+    """Per-request TTFT and ITL in milliseconds (NaN: did not happen)."""
+
+    ttft_ms: npt.NDArray[np.float64]
+    itl_ms: npt.NDArray[np.float64]
+
+
+def request_latencies(result: SimResult) -> RequestLatencies:
+    """TTFT and mean ITL of every request of a run."""
+    req = result.requests
+    ttft = (req.first_token_s - result.traffic.arrival_s) * 1e3
+    decode_tokens = np.asarray(req.output, dtype=np.float64) - 1.0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        itl = np.where(
+            decode_tokens > 0,
+            (req.finish_s - req.first_token_s) * 1e3 / np.maximum(decode_tokens, 1.0),
+            0.0,
+        )
+    itl = np.where(np.isnan(req.finish_s), np.nan, itl)
+    return RequestLatencies(ttft, itl)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One row of the comparison table."""
+
+    scenario: str
+    policy: str
+    requests: int
+    ttft_attainment: float  # share of requests with TTFT within target
+    itl_attainment: float
+    attainment: float  # share meeting both
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    gpu_hours: float
+    mean_replicas: float
+    max_replicas: int
+    scale_events: int
+    unfinished: int
+    steps: int
+    fpm_messages: int
+    wall_s: float
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form."""
+        return asdict(self)
+
+
+def _pct(values: npt.NDArray[np.float64], q: float) -> float:
+    finite = values[np.isfinite(values)]
+    return float(np.percentile(finite, q)) if finite.size else math.nan
+
+
+def summarise(result: SimResult, slo: SloTargets, scenario: str, wall_s: float) -> RunSummary:
+    """Attainment, percentiles and cost of one run."""
+    lat = request_latencies(result)
+    ttft_ok = np.nan_to_num(lat.ttft_ms, nan=np.inf) <= slo.ttft_ms
+    itl_ok = np.nan_to_num(lat.itl_ms, nan=np.inf) <= slo.itl_ms
+    n = max(len(result.traffic), 1)
+    total = np.asarray(result.timeline["total"], dtype=np.float64)
+    changes = int(np.count_nonzero(np.diff(total))) if total.size > 1 else 0
+    return RunSummary(
+        scenario=scenario,
+        policy=result.policy,
+        requests=len(result.traffic),
+        ttft_attainment=float(ttft_ok.sum() / n),
+        itl_attainment=float(itl_ok.sum() / n),
+        attainment=float((ttft_ok & itl_ok).sum() / n),
+        ttft_p50_ms=_pct(lat.ttft_ms, 50),
+        ttft_p99_ms=_pct(lat.ttft_ms, 99),
+        itl_p50_ms=_pct(lat.itl_ms, 50),
+        itl_p99_ms=_pct(lat.itl_ms, 99),
+        gpu_hours=result.gpu_seconds / 3600.0,
+        mean_replicas=float(total.mean()) if total.size else 0.0,
+        max_replicas=int(total.max()) if total.size else 0,
+        scale_events=changes,
+        unfinished=int(np.isnan(result.requests.finish_s).sum()),
+        steps=result.steps,
+        fpm_messages=result.fpm_messages,
+        wall_s=wall_s,
+    )
+
+
+def format_table(rows: Sequence[RunSummary], oracle_gpu_hours: dict[str, float]) -> str:
+    """A plain-text comparison table; GPU-hours also relative to the scenario's oracle."""
+    header = (
+        f"{'scenario':<22} {'policy':<8} {'SLO ok':>7} {'TTFT ok':>8} {'ITL ok':>7} "
+        f"{'TTFT p99':>9} {'ITL p99':>8} {'GPU-h':>7} {'x oracle':>8} {'scales':>6} "
+        f"{'wall s':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        ref = oracle_gpu_hours.get(r.scenario, math.nan)
+        rel = r.gpu_hours / ref if ref and math.isfinite(ref) else math.nan
+        lines.append(
+            f"{r.scenario:<22} {r.policy:<8} {r.attainment:>7.2%} {r.ttft_attainment:>8.2%} "
+            f"{r.itl_attainment:>7.2%} {r.ttft_p99_ms:>8.0f}m {r.itl_p99_ms:>7.1f}m "
+            f"{r.gpu_hours:>7.2f} {rel:>8.2f} {r.scale_events:>6d} {r.wall_s:>6.1f}"
+        )
+    return "\n".join(lines)
+
+
+def windowed_latency(
+    result: SimResult, bucket_s: float
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Bucket start times and p99 TTFT / p99 ITL (ms) of requests arriving in each bucket."""
+    lat = request_latencies(result)
+    arrival = result.traffic.arrival_s
+    n = max(1, math.ceil(result.traffic.duration_s / bucket_s))
+    idx = np.minimum((arrival / bucket_s).astype(np.int64), n - 1)
+    ttft = np.full(n, np.nan)
+    itl = np.full(n, np.nan)
+    for k in range(n):
+        sel = idx == k
+        if sel.any():
+            ttft[k] = _pct(lat.ttft_ms[sel], 99)
+            itl[k] = _pct(lat.itl_ms[sel], 99)
+    return np.arange(n, dtype=np.float64) * bucket_s, ttft, itl
+
+
+def plot_timeline(
+    results: Sequence[SimResult], slo: SloTargets, path: str, title: str = ""
+) -> None:
+    """Replicas, load and p99 latency over time for each run, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(12, 11), sharex=True)
+    ax_load, ax_rep, ax_ttft, ax_itl = axes
+    if results:
+        t, rps = results[0].traffic.rates(30.0)
+        ax_load.plot(t / 60.0, rps, color="black", lw=1)
+    ax_load.set_ylabel("arrivals (req/s)")
+    for res in results:
+        tl = res.timeline
+        ax_rep.step(np.asarray(tl["t"]) / 60.0, tl["total"], where="post", label=res.policy)
+        tb, ttft, itl = windowed_latency(res, 60.0)
+        ax_ttft.plot(tb / 60.0, ttft, label=res.policy)
+        ax_itl.plot(tb / 60.0, itl, label=res.policy)
+    ax_rep.set_ylabel("replicas (ready+starting)")
+    ax_rep.legend(loc="upper left", ncol=5, fontsize=8)
+    ax_ttft.axhline(slo.ttft_ms, color="red", ls="--", lw=1)
+    ax_ttft.set_ylabel("TTFT p99 per min (ms)")
+    ax_ttft.set_yscale("log")
+    ax_itl.axhline(slo.itl_ms, color="red", ls="--", lw=1)
+    ax_itl.set_ylabel("ITL p99 per min (ms)")
+    ax_itl.set_xlabel("time (min)")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,211 @@
+"""Request traffic for the simulator: trace loaders and a synthetic generator.
+
+A :class:`Traffic` is three aligned arrays sorted by arrival time (seconds from
+the start, prompt tokens, output tokens). Loaders read the Azure LLM inference
+trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``) and Mooncake JSONL
+(``timestamp`` in ms, ``input_length``, ``output_length``); the generator makes
+diurnal ramps, bursts and step changes from a rate function.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+SYNTHETIC_KINDS = ("flat", "diurnal", "bursts", "steps")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Requests sorted by arrival; ``duration_s`` is the span the traffic covers."""
+
+    arrival_s: npt.NDArray[np.float64]
+    prompt_tokens: npt.NDArray[np.int64]
+    output_tokens: npt.NDArray[np.int64]
+    duration_s: float
+    name: str = "traffic"
+
+    def __len__(self) -> int:
+        return int(self.arrival_s.size)
+
+    def scaled(
+        self,
+        rate_scale: float = 1.0,
+        time_compress: float = 1.0,
+        duration_s: float | None = None,
+        seed: int = 0,
+        jitter_s: float = 15.0,
+    ) -> Traffic:
+        """Resample the traffic.
+
+        ``time_compress`` > 1 plays the trace faster (same requests, shorter span);
+        ``rate_scale`` multiplies the request rate at the same time scale: whole
+        copies of each request plus a random fraction (seeded). The original keeps
+        its time; each extra copy moves by up to ``jitter_s`` either way, so
+        copies do not arrive in lockstep but the trace keeps its shape at
+        minute scale.
+        ``duration_s`` keeps only the first part (after compression).
+        """
+        if rate_scale <= 0.0 or time_compress <= 0.0:
+            raise ValueError("rate_scale and time_compress must be positive")
+        rng = np.random.default_rng(seed)
+        t = self.arrival_s / time_compress
+        prompt, output = self.prompt_tokens, self.output_tokens
+        if rate_scale != 1.0:
+            whole = math.floor(rate_scale)
+            copies = np.full(t.size, whole, dtype=np.int64)
+            copies += rng.random(t.size) < (rate_scale - whole)
+            idx = np.repeat(np.arange(t.size), copies)
+            # The first copy of each request is the original; the rest are jittered.
+            first = np.ones(idx.size, dtype=bool)
+            first[1:] = idx[1:] != idx[:-1]
+            shift = rng.uniform(-jitter_s, jitter_s, idx.size)
+            span_end = t[-1] if t.size else 0.0
+            t = np.clip(t[idx] + np.where(first, 0.0, shift), 0.0, span_end)
+            prompt, output = prompt[idx], output[idx]
+        span = self.duration_s / time_compress
+        if duration_s is not None:
+            keep = t < duration_s
+            t, prompt, output = t[keep], prompt[keep], output[keep]
+            span = min(span, duration_s)
+        order = np.argsort(t, kind="stable")
+        return Traffic(t[order], prompt[order], output[order], span, self.name)
+
+    def rates(self, bucket_s: float) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Bucket start times and requests per second in each bucket (for plots)."""
+        n = max(1, math.ceil(self.duration_s / bucket_s))
+        counts = np.bincount(
+            np.minimum((self.arrival_s / bucket_s).astype(np.int64), n - 1), minlength=n
+        )
+        return np.arange(n, dtype=np.float64) * bucket_s, counts.astype(np.float64) / bucket_s
+
+
+def _from_lists(times: list[float], prompt: list[int], output: list[int], name: str) -> Traffic:
+    if not times:
+        raise ValueError(f"{name}: no requests")
+    t = np.asarray(times, dtype=np.float64)
+    order = np.argsort(t, kind="stable")
+    t = t[order] - t[order][0]
+    return Traffic(
+        t,
+        np.maximum(np.asarray(prompt, dtype=np.int64)[order], 1),
+        np.maximum(np.asarray(output, dtype=np.int64)[order], 1),
+        float(t[-1]) + 1.0,
+        name,
+    )
+
+
+def load_azure_csv(path: str | Path) -> Traffic:
+    """Azure LLM inference trace (2023): ``TIMESTAMP,ContextTokens,GeneratedTokens``."""
+    times: list[float] = []
+    prompt: list[int] = []
+    output: list[int] = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            # Timestamps carry 7 fractional digits; datetime takes at most 6.
+            stamp = row["TIMESTAMP"].strip()
+            if "." in stamp:
+                head, frac = stamp.split(".", 1)
+                stamp = f"{head}.{frac[:6]}"
+            times.append(datetime.fromisoformat(stamp).timestamp())
+            prompt.append(int(row["ContextTokens"]))
+            output.append(int(row["GeneratedTokens"]))
+    return _from_lists(times, prompt, output, Path(path).stem)
+
+
+def load_mooncake_jsonl(path: str | Path) -> Traffic:
+    """Mooncake trace: one JSON object per line with ``timestamp`` (ms) and lengths."""
+    times: list[float] = []
+    prompt: list[int] = []
+    output: list[int] = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            times.append(float(rec["timestamp"]) / 1000.0)
+            prompt.append(int(rec["input_length"]))
+            output.append(int(rec["output_length"]))
+    return _from_lists(times, prompt, output, Path(path).stem)
+
+
+def load_trace(path: str | Path) -> Traffic:
+    """Load a trace by its extension: ``.csv`` (Azure) or ``.jsonl`` (Mooncake)."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".csv":
+        return load_azure_csv(path)
+    if suffix in (".jsonl", ".json"):
+        return load_mooncake_jsonl(path)
+    raise ValueError(f"unknown trace format {suffix!r}: expected .csv or .jsonl")
+
+
+def rate_function(kind: str, base_rps: float, duration_s: float) -> Callable[[float], float]:
+    """Requests per second over time for a synthetic ``kind`` (see ``SYNTHETIC_KINDS``)."""
+    if kind == "flat":
+        return lambda t: base_rps
+    if kind == "diurnal":
+        # One compressed "day": trough at 40% of base, peak at 160%.
+        return lambda t: base_rps * (1.0 - 0.6 * math.cos(2.0 * math.pi * t / duration_s))
+    if kind == "bursts":
+        # After a 5-minute warm-up, every 10 minutes: a 30 s ramp to 2.5x the base,
+        # 150 s at that level, and a 30 s ramp back down.
+        def bursts(t: float) -> float:
+            if t < 300.0:
+                return base_rps
+            phase = (t - 300.0) % 600.0
+            if phase < 30.0:
+                level = 1.0 + 1.5 * phase / 30.0
+            elif phase < 180.0:
+                level = 2.5
+            elif phase < 210.0:
+                level = 2.5 - 1.5 * (phase - 180.0) / 30.0
+            else:
+                level = 1.0
+            return base_rps * level
+
+        return bursts
+    if kind == "steps":
+        levels = (1.0, 2.0, 0.5, 1.5, 1.0)
+        return lambda t: base_rps * levels[min(int(t / duration_s * len(levels)), len(levels) - 1)]
+    raise ValueError(f"unknown synthetic kind {kind!r}; choose from {SYNTHETIC_KINDS}")
+
+
+def synthetic(
+    kind: str,
+    duration_s: float = 1800.0,
+    base_rps: float = 5.0,
+    mean_prompt: float = 1100.0,
+    mean_output: float = 200.0,
+    seed: int = 0,
+) -> Traffic:
+    """Poisson arrivals with a time-varying rate; log-normal prompt and output lengths.
+
+    Lengths have a coefficient of variation of about 1, like the Azure
+    conversation trace (prompt mean ~1150, output mean ~210).
+    """
+    rate = rate_function(kind, base_rps, duration_s)
+    rng = np.random.default_rng(seed)
+    peak = max(rate(t) for t in np.linspace(0.0, duration_s, 2001)) * 1.05
+    # Thinning: candidates at the peak rate, each kept with probability rate/peak.
+    n = rng.poisson(peak * duration_s)
+    t = np.sort(rng.uniform(0.0, duration_s, n))
+    keep = rng.random(n) * peak < np.fromiter((rate(x) for x in t), np.float64, n)
+    t = t[keep]
+    sigma = math.sqrt(math.log(2.0))  # CV of 1 for a log-normal
+    prompt = rng.lognormal(math.log(mean_prompt) - sigma**2 / 2.0, sigma, t.size)
+    output = rng.lognormal(math.log(mean_output) - sigma**2 / 2.0, sigma, t.size)
+    return Traffic(
+        t,
+        np.clip(prompt, 16, 16_000).astype(np.int64),
+        np.clip(output, 1, 2_000).astype(np.int64),
+        duration_s,
+        f"synthetic-{kind}",
+    )

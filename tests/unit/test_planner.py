@@ -1,0 +1,342 @@
+"""Planner behaviour, with a known linear step-time function in place of the cost model."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+
+from stepscale_engine.wire import ScheduledRequestMetrics
+from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.planner import (
+    EngineLimits,
+    PerReplicaLoad,
+    Planner,
+    PlannerInputs,
+    PlannerPolicy,
+    ReplicaCounts,
+    SloTargets,
+    forecast_load,
+    predict_latency,
+    smallest_replicas_within_slo,
+)
+
+FLOOR_S = 0.006
+PER_PREFILL_TOKEN_S = 30e-6
+PER_KV_TOKEN_S = 40e-9
+PER_REQUEST_S = 20e-6
+
+
+class LinearStepTime:
+    """step = floor + prefill tokens + KV reads + per-request overhead."""
+
+    def predict(self, sched: ScheduledRequestMetrics) -> float:
+        return (
+            FLOOR_S
+            + PER_PREFILL_TOKEN_S * sched.sum_prefill_tokens
+            + PER_KV_TOKEN_S * (sched.sum_decode_kv_tokens + sched.sum_prefill_kv_tokens)
+            + PER_REQUEST_S * (sched.num_prefill_requests + sched.num_decode_requests)
+        )
+
+
+SLO = SloTargets(ttft_ms=1000.0, itl_ms=40.0)
+ENGINE = EngineLimits()
+
+
+def load_of(
+    requests_per_s: float,
+    prompt: float = 1000.0,
+    output: float = 200.0,
+    *,
+    trend: float = 0.0,
+    missing: int = 0,
+    queued: float = 0.0,
+) -> LoadEstimate:
+    """A fleet-wide estimate for Poisson-ish traffic of the given shape."""
+    return LoadEstimate(
+        window_s=30.0,
+        streams_total=4,
+        streams_missing=missing,
+        prefill_tokens_per_s=requests_per_s * prompt,
+        prefill_cached_tokens_per_s=0.0,
+        prefill_requests_per_s=requests_per_s,
+        decode_tokens_per_s=requests_per_s * output,
+        mean_prompt_tokens=prompt,
+        mean_decode_context_tokens=prompt + output / 2.0,
+        prefix_cache_hit_fraction=0.0,
+        queued_prefill_requests=queued,
+        queued_prefill_tokens=queued * prompt,
+        queued_decode_requests=0.0,
+        prefill_tokens_per_s_trend=trend * prompt,
+        decode_tokens_per_s_trend=trend * output,
+    )
+
+
+def inputs_for(
+    load: LoadEstimate | None,
+    ready: int,
+    *,
+    now: float = 0.0,
+    starting: tuple[float, ...] = (),
+    model_ready: bool = True,
+    load_age_s: float = 1.0,
+    min_replicas: int = 1,
+    max_replicas: int = 50,
+) -> PlannerInputs:
+    return PlannerInputs(
+        predictor=LinearStepTime(),
+        model_ready=model_ready,
+        model_mape=0.02,
+        load=load,
+        load_time=now - load_age_s,
+        replicas=ReplicaCounts(ready=ready, starting_since=starting),
+        slo=SLO,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        engine=ENGINE,
+        pod_startup_s=60.0,
+    )
+
+
+def needed_for(load: LoadEstimate, policy: PlannerPolicy | None = None) -> int:
+    """What a fresh planner asks for from one replica (scale-up is immediate)."""
+    decision = Planner(policy).decide(inputs_for(load, 1), now=0.0)
+    return decision.desired_replicas
+
+
+# -- capacity model -----------------------------------------------------------------
+
+
+def test_fixed_point_matches_closed_form_for_linear_step_time() -> None:
+    # With f = a + b*p + c*B (no KV term) the mean step is a / (1 - b*λp - c*λd).
+    class Affine:
+        def predict(self, sched: ScheduledRequestMetrics) -> float:
+            return 0.005 + 30e-6 * sched.sum_prefill_tokens + 1e-4 * sched.num_decode_requests
+
+    per = PerReplicaLoad(
+        prefill_tokens_per_s=10_000.0,
+        prefill_requests_per_s=10.0,
+        decode_tokens_per_s=1_000.0,
+        mean_prompt_tokens=1000.0,
+        mean_cached_tokens=0.0,
+        mean_decode_context_tokens=0.0,
+    )
+    pred = predict_latency(Affine(), per, ENGINE, PlannerPolicy())
+    expected = 0.005 / (1.0 - 30e-6 * 10_000.0 - 1e-4 * 1_000.0)
+    assert pred.feasible
+    assert pred.itl_mean_ms == pytest.approx(expected * 1e3, rel=1e-3)
+
+
+def test_latency_falls_with_replicas_and_overload_is_infinite() -> None:
+    load = load_of(120.0)
+    preds = [
+        predict_latency(
+            LinearStepTime(), PerReplicaLoad.from_estimate(load, n), ENGINE, PlannerPolicy(), n
+        )
+        for n in range(1, 12)
+    ]
+    assert not preds[0].feasible and preds[0].ttft_ms == float("inf")
+    feasible = [p for p in preds if p.feasible]
+    assert len(feasible) >= 5
+    for a, b in zip(feasible, feasible[1:], strict=False):
+        assert b.ttft_ms <= a.ttft_ms and b.itl_ms <= a.itl_ms
+
+
+def test_chunked_prefill_shares_the_token_budget() -> None:
+    # A smaller budget splits prompts into more chunks, each paying the pass floor.
+    load = PerReplicaLoad.from_estimate(load_of(5.0, prompt=4000.0), 1)
+    wide = predict_latency(LinearStepTime(), load, EngineLimits(8192, 256), PlannerPolicy())
+    narrow = predict_latency(LinearStepTime(), load, EngineLimits(512, 256), PlannerPolicy())
+    assert narrow.ttft_mean_ms > wide.ttft_mean_ms
+
+
+def test_kv_capacity_and_max_seqs_are_limits() -> None:
+    load = PerReplicaLoad.from_estimate(load_of(20.0, prompt=1000.0, output=2000.0), 1)
+    tight_kv = predict_latency(
+        LinearStepTime(), load, EngineLimits(2048, 256, 20_000), PlannerPolicy()
+    )
+    few_seqs = predict_latency(
+        LinearStepTime(), load, EngineLimits(2048, 4, 10**7), PlannerPolicy()
+    )
+    assert tight_kv.bottleneck == "kv_capacity"
+    assert few_seqs.bottleneck == "max_num_seqs"
+
+
+def test_binary_search_finds_smallest() -> None:
+    assert smallest_replicas_within_slo(lambda n: n >= 7, 1, 20) == (7, True)
+    assert smallest_replicas_within_slo(lambda n: False, 1, 20) == (20, False)
+
+
+# -- behaviours -----------------------------------------------------------------------
+
+
+def test_missing_or_stale_metrics_hold_and_never_scale_down() -> None:
+    tiny = load_of(0.5)
+    for inputs in (
+        inputs_for(None, 8, now=1000.0),
+        inputs_for(tiny, 8, now=1000.0, load_age_s=600.0),
+        inputs_for(replace(tiny, streams_missing=1), 8, now=1000.0),
+    ):
+        planner = Planner(PlannerPolicy(scale_down_stabilization_s=0.0))
+        decision = planner.decide(inputs, now=1000.0)
+        assert decision.desired_replicas == 8
+        assert decision.action == "hold" and not decision.apply
+        assert decision.reason.startswith("hold")
+    # The same tiny load with fresh, complete metrics does scale down.
+    planner = Planner(PlannerPolicy(scale_down_stabilization_s=0.0))
+    assert planner.decide(inputs_for(tiny, 8, now=1000.0), now=1000.0).desired_replicas < 8
+
+
+def test_model_not_ready_queue_rule_scales_up_never_down() -> None:
+    planner = Planner()
+    busy = planner.decide(inputs_for(load_of(5.0, queued=40.0), 2, model_ready=False), now=0.0)
+    assert busy.action == "scale_up"
+    assert busy.desired_replicas == 10  # 20 queued per replica / target 4 -> 5x
+    idle_planner = Planner(PlannerPolicy(scale_down_stabilization_s=0.0))
+    for t in range(0, 1000, 10):
+        idle = idle_planner.decide(inputs_for(load_of(0.1), 10, model_ready=False), now=t)
+        assert idle.desired_replicas == 10
+
+
+def test_scale_up_to_needed_count_in_one_decision_bounded_by_surge() -> None:
+    load = load_of(120.0)
+    need = needed_for(load)
+    assert need >= 6
+    decision = Planner().decide(inputs_for(load, 2), now=0.0)
+    assert decision.desired_replicas == need
+    assert decision.predicted_desired is not None
+    assert decision.predicted_desired.within(SLO, 0.0)
+    assert decision.predicted_current is not None and not decision.predicted_current.within(
+        SLO, 0.0
+    )
+    capped = Planner(PlannerPolicy(max_surge=2)).decide(inputs_for(load, 2), now=0.0)
+    assert capped.desired_replicas == 4
+    bounded = Planner().decide(inputs_for(load, 2, max_replicas=3), now=0.0)
+    assert bounded.desired_replicas == 3
+
+
+def test_scale_down_only_when_survivors_fit_and_after_the_window() -> None:
+    policy = PlannerPolicy(scale_down_stabilization_s=120.0)
+    load = load_of(30.0)
+    need = needed_for(load, policy)
+    planner = Planner(policy)
+    total = need + 4
+    times = list(range(0, 400, 10))
+    first_down = None
+    for t in times:
+        decision = planner.decide(inputs_for(load, total, now=t), now=t)
+        if decision.action == "scale_down":
+            first_down = first_down if first_down is not None else t
+            assert decision.desired_replicas == total - 1  # one step at a time
+            survivors = decision.predicted_desired
+            assert survivors is not None
+            assert survivors.within(SLO, policy.margin + policy.hysteresis)
+            total = decision.desired_replicas
+    assert first_down == 120
+    assert total >= need
+    # Never below what the load needs: one fewer would not be within margin.
+    per = PerReplicaLoad.from_estimate(load, total - 1)
+    pred = predict_latency(LinearStepTime(), per, ENGINE, policy, total - 1)
+    assert not pred.within(SLO, policy.margin + policy.hysteresis)
+
+
+def test_a_recent_peak_blocks_scale_down_for_the_window() -> None:
+    policy = PlannerPolicy(scale_down_stabilization_s=100.0)
+    planner = Planner(policy)
+    low, high = load_of(10.0), load_of(120.0)
+    planner.decide(inputs_for(low, 9, now=0.0), now=0.0)
+    peak = planner.decide(inputs_for(high, 9, now=150.0), now=150.0)
+    total = peak.desired_replicas
+    peak_floor = peak.inputs["scale_down_floor"]
+    assert isinstance(peak_floor, int) and peak_floor >= needed_for(high)
+    # The low load alone would allow far fewer, but the peak is in the window.
+    for t in range(160, 250, 10):
+        d = planner.decide(inputs_for(low, total, now=t), now=t)
+        assert d.desired_replicas >= peak_floor
+        total = d.desired_replicas
+    assert total == peak_floor and "stabilization" in d.reason
+    later = planner.decide(inputs_for(low, total, now=260.0), now=260.0)
+    assert later.action == "scale_down" and later.desired_replicas == peak_floor - 1
+
+
+def test_no_flapping_under_steady_noisy_load() -> None:
+    rng = random.Random(7)
+    planner = Planner(PlannerPolicy(scale_down_stabilization_s=60.0))
+    replicas = 1
+    changes: list[int] = []
+    for i in range(300):
+        t = i * 10.0
+        noisy = load_of(40.0 * (1.0 + rng.uniform(-0.1, 0.1)))
+        decision = planner.decide(inputs_for(noisy, replicas, now=t), now=t)
+        if decision.desired_replicas != replicas:
+            changes.append(decision.desired_replicas - replicas)
+            replicas = decision.desired_replicas
+    # One initial scale-up, perhaps one step down after the noise settles; no oscillation.
+    assert changes and changes[0] > 0
+    assert len(changes) <= 2
+    assert all(c < 0 for c in changes[1:])
+
+
+def test_looks_ahead_by_startup_time_using_the_trend() -> None:
+    flat = needed_for(load_of(40.0))
+    # Half the trend over the 60 s start-up (+10 s): +17.5 req/s, capped at +30%.
+    rising = needed_for(load_of(40.0, trend=0.5))
+    falling = needed_for(load_of(40.0, trend=-0.2))
+    assert rising > flat
+    assert falling == flat
+    ahead = forecast_load(load_of(40.0, trend=0.2), 60.0, 2.0)
+    assert ahead.prefill_requests_per_s == pytest.approx(52.0)
+
+
+def test_starting_replicas_count_until_they_time_out() -> None:
+    load = load_of(120.0)
+    need = needed_for(load)
+    policy = PlannerPolicy(starting_timeout_s=300.0)
+    starting = tuple(100.0 for _ in range(need - 2))
+    fresh = Planner(policy).decide(inputs_for(load, 2, now=200.0, starting=starting), now=200.0)
+    assert fresh.action == "hold" and fresh.desired_replicas == need
+    stuck = Planner(policy).decide(inputs_for(load, 2, now=500.0, starting=starting), now=500.0)
+    assert stuck.action == "scale_up"
+    assert stuck.desired_replicas == need + len(starting)
+
+
+def test_advisory_mode_decides_and_explains_but_applies_nothing() -> None:
+    load = load_of(120.0)
+    decision = Planner(PlannerPolicy(advisory=True)).decide(inputs_for(load, 2), now=0.0)
+    assert decision.desired_replicas == needed_for(load)
+    assert decision.action == "scale_up"
+    assert not decision.apply
+    assert decision.reason.startswith("advisory")
+
+
+def test_decision_is_explainable_and_json_able() -> None:
+    decision = Planner().decide(inputs_for(load_of(120.0), 2), now=0.0)
+    record = decision.to_dict()
+    text = json.dumps(record)
+    assert "needed_replicas" in text and "prefill_tokens_per_s" in text
+    inputs = record["inputs"]
+    assert isinstance(inputs, dict)
+    assert inputs["ready"] == 2 and inputs["slo"] == {"ttft_ms": 1000.0, "itl_ms": 40.0}
+    assert 0.0 < decision.confidence <= 1.0
+
+
+def test_deterministic() -> None:
+    def run() -> list[int]:
+        planner = Planner(PlannerPolicy(scale_down_stabilization_s=30.0))
+        out = []
+        replicas = 3
+        for i in range(50):
+            load = load_of(10.0 + 2.0 * (i % 7))
+            d = planner.decide(inputs_for(load, replicas, now=i * 5.0), now=i * 5.0)
+            replicas = d.desired_replicas
+            out.append(replicas)
+        return out
+
+    assert run() == run()
+
+
+def test_bounds_are_respected() -> None:
+    decision = Planner().decide(inputs_for(load_of(0.0), 0, min_replicas=2), now=0.0)
+    assert decision.desired_replicas == 2
