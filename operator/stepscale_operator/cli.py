@@ -321,5 +321,28 @@ register(
 )
 
 
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from stepscale_operator.demo import add_demo_arguments
+
+    add_demo_arguments(parser)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    # Imported on use: the demo pulls in numpy and the planner, tail needs neither.
+    from stepscale_operator.demo import run_demo
+
+    return run_demo(args)
+
+
+register(
+    Subcommand(
+        name="demo",
+        help="run the whole loop locally: a real vLLM CPU engine, replayed traffic, live status",
+        add_arguments=_add_demo_arguments,
+        run=_run_demo,
+    )
+)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,7 +18,9 @@ it asks ZMQ whether more frames follow after every frame. The fast path reads
 ``[topic, sequence, payload]`` and asks once, after the payload; a message of
 the wrong length is still detected and counted (``frame_count``), but since its
 boundary was found late the message after it can be dropped with it (counted in
-``resyncs``). ``exact_framing=True`` checks every frame (``recv_multipart``).
+``resyncs``). That loses a good message, so it is opt-in: the default,
+``exact_framing=True``, checks every frame (``recv_multipart``) and loses
+nothing but the malformed message itself.
 Nothing here raises on bad input: every rejection is counted by reason and
 logged at a limited rate.
 """
@@ -85,7 +87,7 @@ class FpmSubscriber:
         context: zmq.Context | None = None,
         max_batch: int = 4096,
         rcvhwm: int = 100_000,
-        exact_framing: bool = False,
+        exact_framing: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``streams``/``observe_streams``: see :class:`DeploymentModel` for sharing a table."""
