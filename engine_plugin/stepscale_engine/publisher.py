@@ -32,6 +32,7 @@ DEFAULT_QUEUE_CAPACITY = 10_000
 # much delivery latency); after IDLE_AFTER_S without one it sleeps until woken.
 BUSY_POLL_S = 0.002
 IDLE_AFTER_S = 0.05
+CLOSE_LINGER_MS = 500
 
 
 @dataclass
@@ -125,7 +126,7 @@ class FpmPublisher:
         return self
 
     def close(self, timeout_s: float = 1.0) -> None:
-        """Drain what is queued, then close the socket (linger 0), within about ``timeout_s``."""
+        """Drain what is queued, then close the socket, within about ``timeout_s``."""
         if self._thread is None:
             return
         self._stop.set()
@@ -165,10 +166,15 @@ class FpmPublisher:
                     self._send_heartbeat(sock)
                     last_send = time.monotonic()
                 if stopping:
-                    return
+                    break
                 self._sleep(last_send, last_pass)
+            # The drained messages may still sit in ZMQ's own send buffer: give
+            # them a bounded moment to reach the wire instead of discarding them
+            # (linger 0 would), keeping the whole close within about a second.
+            sock.close(linger=CLOSE_LINGER_MS)
         finally:
-            sock.close(linger=0)
+            if not sock.closed:
+                sock.close(linger=0)
 
     def _sleep(self, last_send: float, last_pass: float) -> None:
         """Wait for work: poll while the engine is busy, block on the event when idle.

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import zmq
 
 from stepscale_engine import wire
 from stepscale_engine.tiny_model import build_tiny_llama
+from tests.conftest import free_tcp_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -98,6 +101,60 @@ class FpmCollector:
         return [m for m in self.messages if not m.is_heartbeat]
 
 
+@contextlib.contextmanager
+def api_server(model: Path, fpm_port: int, worker_id: str, log_path: Path,
+               extra_args: Sequence[str] = ()) -> Iterator[str]:
+    """vLLM's OpenAI API server as a user's container starts it; yields its base URL.
+
+    The plugin is enabled by the environment alone (``engine_env``).
+    """
+    http_port = free_tcp_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+             "--model", str(model), "--skip-tokenizer-init", "--enforce-eager",
+             "--dtype", "float32", "--max-model-len", "512", "--block-size", "32",
+             "--no-enable-prefix-caching", "--served-model-name", "tiny",
+             "--host", "127.0.0.1", "--port", str(http_port), *extra_args],
+            env=engine_env(fpm_port, worker_id),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail("API server exited:\n" + log_path.read_text()[-4000:])
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("API server did not become healthy:\n" + log_path.read_text()[-4000:])
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def complete(base: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One /v1/completions request with a token-id prompt."""
+    body = json.dumps(
+        {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    ).encode()
+    request = urllib.request.Request(
+        base + "/v1/completions", body, {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        return dict(json.loads(resp.read()))
+
+
 @dataclass
 class ScenarioRun:
     """The FPM stream of one scenario and the engine's independent measurements."""
@@ -153,8 +210,6 @@ def scenario_runs(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, ScenarioRun]]:
     """Each scenario runs once per session; tests read the cached result."""
-    from tests.conftest import free_tcp_port
-
     cache: dict[str, ScenarioRun] = {}
 
     class Runs(dict[str, ScenarioRun]):

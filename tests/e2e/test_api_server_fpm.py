@@ -1,96 +1,89 @@
-"""End-to-end: vLLM's OpenAI API server (multiprocess engine) publishes FPM while serving HTTP.
+"""End-to-end: vLLM's OpenAI API server publishes FPM while serving HTTP.
 
 The plugin is enabled through the environment alone; the server is started the
-way a user's container would start it.
+way a user's container would start it (multiprocess engine). With
+``--data-parallel-size 2`` each rank publishes on its own port with its rank.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from stepscale_engine import wire
 from tests.conftest import free_tcp_port
-from tests.e2e.conftest import FpmCollector, engine_env
+from tests.e2e.conftest import FpmCollector, api_server, complete
+
+PROMPTS = [[1 + (i * 31 + t * 7) % 900 for t in range(20 + 15 * i)] for i in range(8)]
+OUTPUT_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def api_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-    tuple[str, FpmCollector]
-]:
-    http_port, fpm_port = free_tcp_port(), free_tcp_port()
-    log_path = tmp_path_factory.mktemp("api") / "server.log"
-    collector = FpmCollector(f"tcp://127.0.0.1:{fpm_port}").start()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-             "--model", str(tiny_model), "--skip-tokenizer-init", "--enforce-eager",
-             "--dtype", "float32", "--max-model-len", "512", "--block-size", "32",
-             "--no-enable-prefix-caching", "--served-model-name", "tiny",
-             "--host", "127.0.0.1", "--port", str(http_port)],
-            env=engine_env(fpm_port, "api-pod-0"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{http_port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail("API server exited:\n" + log_path.read_text()[-4000:])
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("API server did not become healthy:\n" + log_path.read_text()[-4000:])
-        yield base, collector
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        collector.stop()
+def serve_batch(base: str) -> list[int]:
+    with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: complete(base, p, OUTPUT_TOKENS), PROMPTS))
+    return [r["usage"]["completion_tokens"] for r in results]
 
 
-def complete(base: str, prompt: list[int], max_tokens: int) -> dict[str, object]:
-    body = json.dumps(
-        {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-    ).encode()
-    request = urllib.request.Request(
-        base + "/v1/completions", body, {"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        return dict(json.loads(resp.read()))
-
-
-def test_server_publishes_fpm_while_serving_http(api_server: tuple[str, FpmCollector]) -> None:
-    base, collector = api_server
-    # Idle engine: heartbeats prove the stream is up before any request.
-    assert collector.wait_for(lambda ms: any(m.is_heartbeat for m in ms), 15.0)
-    before = len(collector.messages)
-    prompts = [[1 + (i * 31 + t * 7) % 900 for t in range(20 + 15 * i)] for i in range(8)]
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(lambda p: complete(base, p, 12), prompts))
-    completion_tokens = [r["usage"]["completion_tokens"] for r in results]  # type: ignore[index]
-    assert completion_tokens == [12] * 8
-    assert collector.wait_for(lambda ms: ms[-1].is_heartbeat, 5.0)
-    served = collector.messages[before:]
-    passes = [m for m in served if not m.is_heartbeat]
-    assert {m.worker_id for m in served} == {"api-pod-0"}
-    counters = [m.counter_id for m in served]
-    assert counters == list(range(counters[0], counters[0] + len(counters)))
+def check_accounting(passes: list[wire.ForwardPassMetrics], completion_tokens: list[int]) -> None:
     sched = [m.scheduled_requests for m in passes]
-    assert sum(s.sum_prefill_tokens for s in sched) == sum(len(p) for p in prompts)
-    assert sum(s.num_decode_requests for s in sched) == sum(completion_tokens) - len(prompts)
+    assert sum(s.sum_prefill_tokens for s in sched) == sum(len(p) for p in PROMPTS)
+    assert sum(s.num_decode_requests for s in sched) == sum(completion_tokens) - len(PROMPTS)
     assert all(m.wall_time > 0 for m in passes)
+
+
+def assert_consecutive(messages: list[wire.ForwardPassMetrics]) -> None:
+    counters = [m.counter_id for m in messages]
+    assert counters == list(range(counters[0], counters[0] + len(counters)))
+
+
+def test_server_publishes_fpm_while_serving_http(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    port = free_tcp_port()
+    collector = FpmCollector(f"tcp://127.0.0.1:{port}").start()
+    log = tmp_path_factory.mktemp("api") / "server.log"
+    try:
+        with api_server(tiny_model, port, "api-pod-0", log) as base:
+            # Idle engine: heartbeats prove the stream is up before any request.
+            assert collector.wait_for(lambda ms: any(m.is_heartbeat for m in ms), 30.0)
+            before = len(collector.messages)
+            completion_tokens = serve_batch(base)
+            assert completion_tokens == [OUTPUT_TOKENS] * len(PROMPTS)
+            assert collector.wait_for(lambda ms: ms[-1].is_heartbeat, 5.0)
+    finally:
+        collector.stop()
+    served = collector.messages[before:]
+    assert {m.worker_id for m in served} == {"api-pod-0"}
+    assert_consecutive(served)
+    check_accounting([m for m in served if not m.is_heartbeat], completion_tokens)
+
+
+def test_each_data_parallel_rank_publishes_on_its_own_port(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    base_port = free_tcp_port()
+    collectors = [FpmCollector(f"tcp://127.0.0.1:{base_port + r}").start() for r in (0, 1)]
+    log = tmp_path_factory.mktemp("api-dp") / "server.log"
+    try:
+        with api_server(tiny_model, base_port, "dp-pod", log,
+                        ["--data-parallel-size", "2"]) as base:
+            for collector in collectors:
+                assert collector.wait_for(lambda ms: any(m.is_heartbeat for m in ms), 60.0)
+            starts = [len(c.messages) for c in collectors]
+            completion_tokens = serve_batch(base)
+            for collector in collectors:
+                assert collector.wait_for(lambda ms: ms[-1].is_heartbeat, 5.0)
+    finally:
+        for collector in collectors:
+            collector.stop()
+    passes: list[wire.ForwardPassMetrics] = []
+    for rank, (collector, start) in enumerate(zip(collectors, starts, strict=True)):
+        served = collector.messages[start:]
+        assert {m.dp_rank for m in collector.messages} == {rank}
+        assert {m.worker_id for m in collector.messages} == {"dp-pod"}
+        assert_consecutive(served)
+        passes += [m for m in served if not m.is_heartbeat]
+    # Both ranks together account for every token served.
+    check_accounting(passes, completion_tokens)

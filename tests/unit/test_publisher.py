@@ -88,22 +88,28 @@ def test_heartbeats_flow_while_idle_and_use_the_sequence(
 def test_full_queue_drops_counts_and_leaves_a_gap_of_exactly_the_drops(
     context: zmq.Context, tcp_port: int
 ) -> None:
+    # No heartbeats during the test, so every sequence number is accounted for.
     pub = FpmPublisher(f"tcp://127.0.0.1:{tcp_port}", "w", queue_capacity=10,
-                       heartbeat_interval_s=0.05, context=context)
+                       heartbeat_interval_s=3600.0, context=context)
     # Before start() nothing drains the queue: the 11th to 15th are dropped.
     results = [pub.publish(0.01, SCHED, QUEUED) for _ in range(15)]
     assert results == [True] * 10 + [False] * 5
     assert pub.stats.dropped_queue_full == 5
     sub = subscribe(context, f"tcp://127.0.0.1:{tcp_port}")
     with pub:
-        time.sleep(0.3)  # let the queued ten go out before anyone listens
-        wait_for_heartbeat(sub)
-        pub.publish(0.02, SCHED, QUEUED)
-        (after,) = [m for m in receive(sub, 3, timeout_s=2.0) if not m.is_heartbeat][:1]
+        # Numbered probes until one arrives (the subscription may not be live yet):
+        # probe i follows 10 sent and 5 dropped messages and i earlier probes.
+        received: list[wire.ForwardPassMetrics] = []
+        probe = 0
+        while not received and probe < 200:
+            pub.publish(1000.0 + probe, SCHED, QUEUED)
+            probe += 1
+            received = [m for m in receive(sub, 20, timeout_s=0.05) if m.wall_time >= 1000.0]
     sub.close()
-    # 10 queued (0..9), 5 dropped (10..14), then heartbeats, then this pass.
-    assert after.counter_id == pub.stats.sent + 5 - 1
-    assert pub.stats.enqueued == 11
+    first = received[0]
+    assert first.counter_id == 15 + int(first.wall_time - 1000.0)
+    assert pub.stats.enqueued == 10 + probe
+    assert pub.stats.heartbeats == 0
 
 
 def test_close_drains_what_is_queued_then_stops(context: zmq.Context, tcp_port: int) -> None:
