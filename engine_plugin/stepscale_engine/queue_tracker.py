@@ -57,9 +57,11 @@ class QueueAggregates:
     num_decode: int = 0
     sum_decode_kv: int = 0
     sumsq_decode_kv: float = 0.0
+    version: int = 0  # bumped on every change, so readers can reuse a result
 
     def add(self, is_decode: bool, tokens: int, sign: int = 1) -> None:
         """Add (``sign=1``) or remove (``sign=-1``) one request's contribution."""
+        self.version += 1
         if is_decode:
             self.num_decode += sign
             self.sum_decode_kv += sign * tokens
@@ -195,6 +197,9 @@ class QueueTracker:
     def __init__(self, queues: list[Any]) -> None:
         self._queues = queues
         self.resyncs = 0
+        # Most passes leave the queues untouched: reuse the last struct then.
+        self._cached_key: tuple[tuple[int, int], ...] = ()
+        self._cached = QueuedRequestMetrics()
 
     @classmethod
     def attach(cls, scheduler: Any) -> QueueTracker:
@@ -223,20 +228,27 @@ class QueueTracker:
 
     def metrics(self) -> QueuedRequestMetrics:
         """Current queue state; O(number of queues) unless a resync is needed."""
-        total = QueueAggregates()
+        aggs: list[QueueAggregates] = []
         for queue in self._queues:
             agg: QueueAggregates = queue._stepscale_agg
             if agg.count != len(queue):
                 _rebuild(queue)
                 self.resyncs += 1
                 agg = queue._stepscale_agg
+            aggs.append(agg)
+        key = tuple((id(agg), agg.version) for agg in aggs)
+        if key == self._cached_key:
+            return self._cached
+        total = QueueAggregates()
+        for agg in aggs:
             total.num_prefill += agg.num_prefill
             total.sum_prefill_tokens += agg.sum_prefill_tokens
             total.sumsq_prefill_tokens += agg.sumsq_prefill_tokens
             total.num_decode += agg.num_decode
             total.sum_decode_kv += agg.sum_decode_kv
             total.sumsq_decode_kv += agg.sumsq_decode_kv
-        return total.to_metrics()
+        self._cached_key, self._cached = key, total.to_metrics()
+        return self._cached
 
 
 def _rebuild(queue: Any) -> None:
@@ -246,5 +258,8 @@ def _rebuild(queue: Any) -> None:
         contribution = request_contribution(request)
         contrib[id(request)] = contribution
         agg.add(*contribution)
+    # Keep versions rising across rebuilds so a cached result is never reused.
+    previous = getattr(queue, "_stepscale_agg", None)
+    agg.version += 1 + (previous.version if previous is not None else 0)
     queue._stepscale_contrib = contrib
     queue._stepscale_agg = agg
