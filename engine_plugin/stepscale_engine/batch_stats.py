@@ -35,7 +35,8 @@ class _RequestLike(Protocol):
 RequestLookup = Callable[[str], Any]
 
 
-def _population_variance(total: float, total_sq: float, count: int) -> float:
+def population_variance(total: float, total_sq: float, count: int) -> float:
+    """Population variance from a count, a sum and a sum of squares (never negative)."""
     if count <= 1:
         return 0.0
     mean = total / count
@@ -136,11 +137,11 @@ def _metrics(
     return ScheduledRequestMetrics(
         num_prefill_requests=n_prefill,
         sum_prefill_tokens=prefill_tokens,
-        var_prefill_length=_population_variance(prefill_len_sum, prefill_len_sq, n_prefill),
+        var_prefill_length=population_variance(prefill_len_sum, prefill_len_sq, n_prefill),
         sum_prefill_kv_tokens=prefill_kv,
         num_decode_requests=n_decode,
         sum_decode_kv_tokens=decode_kv,
-        var_decode_kv_tokens=_population_variance(decode_kv, decode_kv_sq, n_decode),
+        var_decode_kv_tokens=population_variance(decode_kv, decode_kv_sq, n_decode),
     )
 
 

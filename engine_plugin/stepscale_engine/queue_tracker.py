@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from stepscale_engine.batch_stats import population_variance
 from stepscale_engine.wire import QueuedRequestMetrics
 
 # Names the queue attributes have had across vLLM V1 releases.
@@ -81,22 +82,15 @@ class QueueAggregates:
         return QueuedRequestMetrics(
             num_prefill_requests=self.num_prefill,
             sum_prefill_tokens=self.sum_prefill_tokens,
-            var_prefill_length=_variance(
+            var_prefill_length=population_variance(
                 self.sum_prefill_tokens, self.sumsq_prefill_tokens, self.num_prefill
             ),
             num_decode_requests=self.num_decode,
             sum_decode_kv_tokens=self.sum_decode_kv,
-            var_decode_kv_tokens=_variance(
+            var_decode_kv_tokens=population_variance(
                 self.sum_decode_kv, self.sumsq_decode_kv, self.num_decode
             ),
         )
-
-
-def _variance(total: float, total_sq: float, count: int) -> float:
-    if count <= 1:
-        return 0.0
-    mean = total / count
-    return max(0.0, total_sq / count - mean * mean)
 
 
 def scan_queued_metrics(queues: Iterable[Iterable[Any]]) -> QueuedRequestMetrics:
