@@ -11,13 +11,22 @@ synthetic stream (``--synthetic``), each pass is predicted before it is learned 
   others ``[1, decode_requests, decode_kv_tokens]``; each keeps at most
   ``per_bucket`` recent samples in each log2 bucket of its main variable and is
   refitted by least squares every ``refit_every`` samples;
-* ``noise_floor``: for passes whose composition (within 5%) occurs at least three
-  times, the median wall time of the *other* passes of that composition. No model
-  can beat this by much: it is the spread of identical work on this machine.
+* ``noise_floor``: for passes whose composition (counts exact; prefill tokens,
+  prefill KV tokens, prompt-length variance and decode KV tokens within 5%) occurs
+  at least three times, the median wall time of the *other* passes of that cell.
+  It is the spread of identical work on this machine. Its cells are local in time
+  too (a decode batch keeps its composition for a few dozen passes), so it also
+  knows whether the machine was stalled at that moment; ``noise_floor_nonlocal``
+  (informational) leaves out the passes within ``NONLOCAL_EXCLUDE`` positions.
 
-Reported: MAPE and median APE of each over the passes all three predict, the
-model's MAPE on the noise-floor passes divided by the noise floor's MAPE (target
-<= 1.25 on CPU recordings) and the model vs baseline.
+Reported per recording, with the recorder's machine load when its
+``<config>.meta.json`` is there: ``all``: model and baseline over every scored
+pass (both predict it; the first ``WARMUP_SKIP`` passes, at most a fifth, are not
+scored); ``floor_passes``: model, baseline and noise floor over exactly the same
+passes, those of ``all`` with a floor cell, where the model/floor ratios are
+taken (MAPE target <= 1.25 on CPU recordings; model/baseline is over ``all``). Median APE is
+reported beside MAPE: MAPE caps an under-prediction's error at 100% but not an
+over-prediction's, so on stall-heavy recordings it favours predicting low.
 
 Run: ``PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_cost_model.py
 [--synthetic] [recordings...]`` (default: ``results/recordings/*.jsonl``).
@@ -27,10 +36,12 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import math
 from collections import defaultdict, deque
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -42,16 +53,18 @@ from stepscale_operator.cost_model import CostModel, sched_matrix
 FloatArray = npt.NDArray[np.float64]
 WARMUP_SKIP = 500  # passes before any method is scored (at most a fifth of a recording)
 MIN_PASSES = 100
+NONLOCAL_EXCLUDE = 200  # passes either side left out of the non-local noise floor
 
 
 # -- inputs --------------------------------------------------------------------
 
 
 def load_recording(path: Path) -> list[ForwardPassMetrics]:
-    """Decoded messages of one JSONL recording (bad lines are skipped)."""
+    """Decoded messages of one JSONL recording, plain or ``.gz`` (bad lines are skipped)."""
     decoder = msgspec.json.Decoder(ForwardPassMetrics)
     msgs = []
-    with path.open("rb") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
         for line in f:
             line = line.strip()
             if line:
@@ -121,9 +134,11 @@ def _random_pass(rng: np.random.Generator) -> tuple[ScheduledRequestMetrics, flo
 # -- predictors ----------------------------------------------------------------
 
 
-def model_predictions(msgs: list[ForwardPassMetrics], batch: int = 16) -> FloatArray:
-    """Prequential CostModel predictions (NaN where it gave none)."""
-    model = CostModel()
+def model_predictions(
+    msgs: list[ForwardPassMetrics], batch: int = 16, model_kwargs: dict[str, Any] | None = None
+) -> FloatArray:
+    """Prequential CostModel predictions (NaN where it gave none), fed in small batches."""
+    model = CostModel(**(model_kwargs or {}))
     preds = np.full(len(msgs), np.nan)
     for start in range(0, len(msgs), batch):
         part = msgs[start : start + batch]
@@ -181,8 +196,15 @@ def baseline_predictions(msgs: list[ForwardPassMetrics]) -> FloatArray:
     return preds
 
 
-def noise_floor_predictions(msgs: list[ForwardPassMetrics]) -> FloatArray:
-    """Leave-one-out median of passes with near-identical composition (>= 3 of them)."""
+def noise_floor_predictions(msgs: list[ForwardPassMetrics], exclude_within: int = 0) -> FloatArray:
+    """Leave-one-out median of passes with near-identical composition (>= 3 of them).
+
+    With ``exclude_within > 0`` the passes within that many positions of the one
+    predicted are left out too. Cells are local in time (a decode batch keeps its
+    composition for a few dozen passes), so the plain floor also knows whether the
+    machine was stalled *at that moment*, which no composition-based model can;
+    the non-local variant shows how much of the floor that is (reported only).
+    """
 
     def bin5(v: float) -> int:
         return int(round(math.log1p(v) / math.log(1.05)))
@@ -190,10 +212,14 @@ def noise_floor_predictions(msgs: list[ForwardPassMetrics]) -> FloatArray:
     groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for i, m in enumerate(msgs):
         s = m.scheduled_requests
+        # Every field that changes the work: counts exactly, sizes within 5%. The
+        # prompt-length variance matters too (two prompts of 100 and 300 tokens do
+        # more attention than two of 200), so it is part of the cell.
         key = (
             s.num_prefill_requests,
             bin5(s.sum_prefill_tokens),
             bin5(s.sum_prefill_kv_tokens),
+            bin5(s.var_prefill_length),
             s.num_decode_requests,
             bin5(s.sum_decode_kv_tokens),
         )
@@ -203,9 +229,12 @@ def noise_floor_predictions(msgs: list[ForwardPassMetrics]) -> FloatArray:
     for members in groups.values():
         if len(members) < 3:
             continue
+        idx = np.asarray(members)
         for j, i in enumerate(members):
-            others = walls[members[:j] + members[j + 1 :]]
-            preds[i] = float(np.median(others))
+            keep = np.abs(idx - i) > exclude_within
+            keep[j] = False
+            if keep.sum() >= 2:
+                preds[i] = float(np.median(walls[idx[keep]]))
     return preds
 
 
@@ -223,41 +252,109 @@ def ape_stats(y: FloatArray, p: FloatArray) -> dict[str, float]:
     }
 
 
-def evaluate(name: str, msgs: list[ForwardPassMetrics]) -> dict[str, object]:
-    """All figures for one recording."""
+def score(
+    msgs: list[ForwardPassMetrics], model_kwargs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Prequential figures of model, baseline and noise floor over the same passes.
+
+    ``all``: every scored pass that model and baseline both predict (the first
+    ``WARMUP_SKIP`` passes, at most a fifth, are not scored). ``floor_passes``:
+    those of them that also have a noise-floor cell; the model/floor ratios are
+    computed there, so all three methods are judged on exactly the same passes.
+    """
     passes = [m for m in msgs if m.wall_time > 0]
     y = np.array([m.wall_time for m in passes])
-    model = model_predictions(passes)
+    model = model_predictions(passes, model_kwargs=model_kwargs)
     base = baseline_predictions(passes)
     floor = noise_floor_predictions(passes)
+    floor_far = noise_floor_predictions(passes, exclude_within=NONLOCAL_EXCLUDE)
     scored = np.zeros(len(passes), dtype=bool)
     scored[min(WARMUP_SKIP, len(passes) // 5) :] = True
     common = scored & np.isfinite(model) & np.isfinite(base)
     on_floor = common & np.isfinite(floor)
-    result: dict[str, object] = {
-        "recording": name,
+    result: dict[str, Any] = {
         "passes": len(passes),
         "heartbeats": len(msgs) - len(passes),
-        "model": ape_stats(y[common], model[common]),
-        "baseline": ape_stats(y[common], base[common]),
+        "all": {
+            "model": ape_stats(y[common], model[common]),
+            "baseline": ape_stats(y[common], base[common]),
+        },
     }
+    result["model_mape_over_baseline"] = (
+        result["all"]["model"]["mape"] / result["all"]["baseline"]["mape"]
+    )
     if on_floor.sum() >= 20:
-        floor_stats = ape_stats(y[on_floor], floor[on_floor])
-        model_on_floor = ape_stats(y[on_floor], model[on_floor])
-        result["noise_floor"] = floor_stats
-        result["model_on_noise_floor_passes"] = model_on_floor
-        result["model_mape_over_noise_floor"] = model_on_floor["mape"] / floor_stats["mape"]
-    model_mape = result["model"]["mape"]  # type: ignore[index]
-    result["model_mape_over_baseline"] = model_mape / result["baseline"]["mape"]  # type: ignore[index]
+        on = {
+            "model": ape_stats(y[on_floor], model[on_floor]),
+            "baseline": ape_stats(y[on_floor], base[on_floor]),
+            "noise_floor": ape_stats(y[on_floor], floor[on_floor]),
+        }
+        far = on_floor & np.isfinite(floor_far)
+        if far.sum() >= 20:
+            # Informational: the floor from passes at other moments (see noise_floor_predictions),
+            # with the model on exactly those passes.
+            result["floor_passes_nonlocal"] = {
+                "model": ape_stats(y[far], model[far]),
+                "noise_floor_nonlocal": ape_stats(y[far], floor_far[far]),
+            }
+        result["floor_passes"] = on
+        result["model_mape_over_noise_floor"] = on["model"]["mape"] / on["noise_floor"]["mape"]
+        result["model_median_ape_over_noise_floor"] = (
+            on["model"]["median_ape"] / on["noise_floor"]["median_ape"]
+        )
+    return result
+
+
+def evaluate(name: str, msgs: list[ForwardPassMetrics], meta: dict[str, Any]) -> dict[str, Any]:
+    """All figures for one recording, plus the final fit's formula."""
+    result: dict[str, Any] = {"recording": name, "meta": meta, **score(msgs)}
+    passes = [m for m in msgs if m.wall_time > 0]
     cm = CostModel()
     cm.update_batch(
         sched_matrix([m.scheduled_requests for m in passes]),
-        y,
+        [m.wall_time for m in passes],
         [(m.worker_id, m.dp_rank) for m in passes],
         [m.counter_id for m in passes],
     )
     result["final_formula"] = cm.formula()
     return result
+
+
+def load_meta(path: Path) -> dict[str, Any]:
+    """The recorder's side file (machine load while recording), if there is one."""
+    side = path.with_name(path.name.split(".")[0] + ".meta.json")
+    try:
+        return dict(json.loads(side.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    """One block per recording: all scored passes, then the noise-floor passes."""
+    cols = ("MAPE", "medAPE", "p90APE")
+    header = f"{'recording / passes':<36}{'method':<16}" + "".join(f"{c:>8}" for c in cols)
+    header += f"{'n':>7}"
+    print(header)
+    for r in results:
+        meta = r.get("meta") or {}
+        load = meta.get("loadavg_start"), meta.get("loadavg_end")
+        load_txt = f"  load {load[0]} -> {load[1]}" if load[0] is not None else ""
+        print(f"{str(r['recording'])[-60:]}{load_txt}")
+        for subset in ("all", "floor_passes", "floor_passes_nonlocal"):
+            for method, stats in (r.get(subset) or {}).items():
+                print(
+                    f"  {subset:<34}{method[:15]:<16}{stats['mape']:>8.1%}"
+                    f"{stats['median_ape']:>8.1%}{stats['p90_ape']:>8.1%}{stats['n']:>7}"
+                )
+        ratio = r.get("model_mape_over_noise_floor")
+        ratio_med = r.get("model_median_ape_over_noise_floor")
+        floor_txt = (
+            f"model/noise floor MAPE {ratio:.2f}, medAPE {ratio_med:.2f}"
+            if isinstance(ratio, float) and isinstance(ratio_med, float)
+            else "(no noise floor)"
+        )
+        print(f"  {floor_txt}; model/baseline MAPE {r['model_mape_over_baseline']:.2f}")
+        print(f"  {r['final_formula']}")
 
 
 def main() -> None:
@@ -271,35 +368,16 @@ def main() -> None:
     paths = [Path(p) for p in args.recordings] or [
         Path(p) for p in sorted(glob.glob("results/recordings/*.jsonl"))
     ]
-    inputs: list[tuple[str, list[ForwardPassMetrics]]] = [
-        (str(p), load_recording(p)) for p in paths
-    ]
+    inputs = [(str(p), load_recording(p), load_meta(p)) for p in paths]
     if args.synthetic or not inputs:
-        inputs.append(("synthetic(noise=10%)", synthetic_recording(args.synthetic_passes)))
+        inputs.append(("synthetic(noise=10%)", synthetic_recording(args.synthetic_passes), {}))
     results = []
-    for name, msgs in inputs:
+    for name, msgs, meta in inputs:
         if sum(1 for m in msgs if m.wall_time > 0) < MIN_PASSES:
             print(f"skipped {name}: fewer than {MIN_PASSES} passes")
             continue
-        results.append(evaluate(name, msgs))
-    header = f"{'recording':<34}{'method':<14}{'MAPE':>8}{'medAPE':>8}{'p90APE':>8}{'n':>8}"
-    print(header)
-    for r in results:
-        for method in ("model", "baseline", "noise_floor", "model_on_noise_floor_passes"):
-            stats = r.get(method)
-            if isinstance(stats, dict):
-                print(
-                    f"{str(r['recording'])[-33:]:<34}{method[:13]:<14}{stats['mape']:>8.1%}"
-                    f"{stats['median_ape']:>8.1%}{stats['p90_ape']:>8.1%}{stats['n']:>8}"
-                )
-        ratio = r.get("model_mape_over_noise_floor")
-        print(
-            f"  model/noise floor MAPE: {ratio:.2f}"
-            if isinstance(ratio, float)
-            else "  (no floor)",
-            f"  model/baseline MAPE: {r['model_mape_over_baseline']:.2f}",
-            f"\n  {r['final_formula']}",
-        )
+        results.append(evaluate(name, msgs, meta))
+    print_table(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -17,12 +17,16 @@ Load phases (arrivals are Poisson, prompts and outputs drawn per phase):
 Configurations: ``roomy`` (plenty of KV, budget 512) and ``tight`` (few KV
 blocks, budget 128: chunked prefill everywhere and preemption).
 
-    .venv/bin/python benchmarks/record_fpm.py [--configs roomy tight] [--phase-s 15]
+    .venv/bin/python benchmarks/record_fpm.py [--configs roomy tight] [--phase-s 15] [--nice -10]
+
+Each recording gets a ``<config>.meta.json`` beside it with the machine's load
+average before and after; ``benchmarks/bench_cost_model.py`` prints it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import subprocess
@@ -39,7 +43,9 @@ DEFAULT_OUT = REPO / "results" / "recordings"
 CONFIGS: dict[str, dict[str, Any]] = {
     "roomy": dict(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048),
     "tight": dict(
-        max_num_batched_tokens=128, max_num_seqs=32, max_model_len=1024,
+        max_num_batched_tokens=128,
+        max_num_seqs=32,
+        max_model_len=1024,
         num_gpu_blocks_override=40,
     ),
 }
@@ -54,8 +60,16 @@ PHASES: list[tuple[str, float, tuple[int, int], tuple[int, int], bool]] = [
 ]
 
 
-def drive_engine(config_name: str, phase_s: float, seed: int) -> None:
+def drive_engine(config_name: str, phase_s: float, seed: int, nice: int = 0) -> None:
     """Child process: build the engine, wait for the go line, run every phase."""
+    if nice:
+        # Optional: a negative niceness (root only) makes the scheduler prefer the engine
+        # over other work on a shared machine, i.e. fewer stalled passes. Off by default,
+        # since stalls are part of what the cost model must survive.
+        try:
+            os.nice(nice)
+        except OSError as exc:
+            print(f"could not change niceness by {nice}: {exc}", flush=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,8 +79,15 @@ def drive_engine(config_name: str, phase_s: float, seed: int) -> None:
     from stepscale_engine.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(Path(tempfile.gettempdir()) / "stepscale-tiny-llama")
-    llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-              block_size=32, seed=seed, **CONFIGS[config_name])
+    llm = LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=32,
+        seed=seed,
+        **CONFIGS[config_name],
+    )
     engine = llm.llm_engine
     max_len = CONFIGS[config_name]["max_model_len"]
     print("READY", flush=True)
@@ -107,8 +128,14 @@ def drive_engine(config_name: str, phase_s: float, seed: int) -> None:
     print("DONE", flush=True)
 
 
-def record(config_name: str, out_dir: Path, phase_s: float, seed: int) -> Path:
-    """Run one configuration in a child process and record its stream."""
+def record(config_name: str, out_dir: Path, phase_s: float, seed: int, nice: int = 0) -> Path:
+    """Run one configuration in a child process and record its stream.
+
+    Writes ``<config>.jsonl`` and ``<config>.meta.json`` (machine load before and
+    after, CPU count, niceness, phase length): step times on a shared machine
+    depend on what else runs, so every figure measured on a recording should be
+    read with its load.
+    """
     import zmq
 
     from stepscale_engine import wire
@@ -121,16 +148,34 @@ def record(config_name: str, out_dir: Path, phase_s: float, seed: int) -> Path:
     # One OpenMP thread pinned to core 0: with two threads on two shared cores,
     # any other process stalls a whole pass at the OpenMP barrier (we saw
     # 100+ ms passes), which is scheduler noise, not the engine's cost.
-    env = dict(os.environ, STEPSCALE_FPM_PORT=str(port),
-               STEPSCALE_FPM_WORKER_ID=f"recorder-{config_name}", PYTHONUNBUFFERED="1",
-               VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
+    env = dict(
+        os.environ,
+        STEPSCALE_FPM_PORT=str(port),
+        STEPSCALE_FPM_WORKER_ID=f"recorder-{config_name}",
+        PYTHONUNBUFFERED="1",
+        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"),
+    )
+    load_start = os.getloadavg()
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--child", config_name, "--phase-s", str(phase_s),
-         "--seed", str(seed)],
-        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            config_name,
+            "--phase-s",
+            str(phase_s),
+            "--seed",
+            str(seed),
+            "--nice",
+            str(nice),
+        ],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
         text=True,
     )
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
@@ -168,7 +213,26 @@ def record(config_name: str, out_dir: Path, phase_s: float, seed: int) -> Path:
     stop.set()
     thread.join()
     sub.close()
-    print(f"  [{config_name}] {count[0]} messages -> {path} ({count[1]} malformed)")
+    load_end = os.getloadavg()
+    meta: dict[str, Any] = {
+        "config": config_name,
+        "engine_args": CONFIGS[config_name],
+        "phase_s": phase_s,
+        "seed": seed,
+        "nice": nice,
+        "messages": count[0],
+        "malformed": count[1],
+        "cpus": os.cpu_count(),
+        "omp_threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"],
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "loadavg_end": [round(x, 2) for x in load_end],
+        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    path.with_name(f"{config_name}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(
+        f"  [{config_name}] {count[0]} messages -> {path} ({count[1]} malformed), "
+        f"load {load_start[0]:.2f} -> {load_end[0]:.2f}"
+    )
     if proc.returncode != 0:
         raise SystemExit(f"engine for {config_name} exited with {proc.returncode}")
     return path
@@ -180,13 +244,19 @@ def main() -> int:
     parser.add_argument("--phase-s", type=float, default=15.0, help="seconds per load phase")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="niceness increment for the engine (negative needs root)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        drive_engine(args.child, args.phase_s, args.seed)
+        drive_engine(args.child, args.phase_s, args.seed, args.nice)
         return 0
     for name in args.configs:
-        record(name, args.out, args.phase_s, args.seed)
+        record(name, args.out, args.phase_s, args.seed, args.nice)
     return 0
 
 

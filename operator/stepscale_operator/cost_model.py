@@ -32,19 +32,39 @@ variance of the *full prompt* lengths), so we approximate
 
 ``prefill_attention = C*K/n + clamp(n*v + C^2/n, C^2/n, C^2) / 2``.
 
-Fitting. Weighted least squares on the normal equations, weights ``1/ref^2`` so the
-fit minimises *relative* error (step-time noise is multiplicative), non-negative
-coefficients by an active-set NNLS on the d x d system. Sufficient statistics are
-kept per *coverage bucket* (regime x log-size of prefill tokens, decode requests
-and decode context); every sample updates one bucket in O(d^2). All buckets forget
-with the global sample clock (half-life ``half_life_passes``) so the model follows
-a changed engine, but a bucket never decays below ``bucket_floor`` effective
-samples from time alone: a flood of decode-only passes cannot wash out what the
-prefill buckets know. Robustness: after ``ready``, samples get Huber weights on
-their relative residual, scaled by a rolling MAD, and those beyond ``reject_k``
-scales are skipped as outliers (the scale follows a drifting engine because
-rejected residuals still enter it). The first ``warmup_passes`` passes of a new
-or restarted stream (cold caches, compilation) are not samples; nor are heartbeats.
+Fitting. Weighted least squares on the normal equations, weights ``1/y^2`` (the
+observed time) so the fit minimises *relative* error (step-time noise is
+multiplicative), non-negative coefficients by an active-set NNLS on the d x d
+system. (Weights ``1/pred^2`` were tried first: they over-weight every pass the
+model under-predicts, stalls and not-yet-learned regimes alike, which biased real
+CPU fits 20-30% high.) Sufficient statistics are kept per *coverage bucket*
+(regime x log-size of prefill tokens, decode requests and decode context); every
+sample updates one bucket in O(d^2). All buckets forget with the global sample
+clock (half-life ``half_life_passes``) so the model follows a changed engine, but
+a bucket never decays below ``bucket_floor`` effective samples from time alone: a
+flood of decode-only passes cannot wash out what the prefill buckets know. Within
+a bucket newer passes also supersede older ones (``bucket_half_life``, in that
+bucket's own passes).
+
+Robustness. On a shared CPU a pass can be stalled 10-30x by the scheduler, in
+*runs* of up to a few hundred passes, so per-pass outlier tests on a short window
+fail: a run fills the window, widens the scale, and the stalls get learned (that
+was the old behaviour: ~2x predictions for thousands of passes). Here, residuals
+are ``log(y/pred)``; their median and MAD over a long window (``robust_window``
+passes, all residuals, rejected ones included) give a centre and a scale that a
+run shorter than half the window cannot move much. A pass more than ``reject_k``
+scales *slower* than the centre is rejected (stalls only ever slow a pass; a pass
+faster than predicted is never rejected, the fit is simply too high). Accepted
+passes get Huber weights on their relative residual about the centre, which bounds
+any pass's pull on the fit. A bucket with little data, or whose passes the gate
+has been rejecting most of the time for long (``misfit_half_life``: that is the
+model being wrong there, not stalls), gets a 3x wider gate, so an unlearned regime
+is not mistaken for a stall. A persistently slower engine moves the centre; while
+the centre is off by more than ``drift_k`` scales (and 5%) the model is *drifting*
+and forgets at ``drift_half_life_passes`` without coverage floors, so it follows
+the change in a few thousand passes whatever the half-life. The first
+``warmup_passes`` passes of a new or restarted stream (cold caches, compilation)
+are not samples; nor are heartbeats.
 
 Quality is measured prequentially: every pass is predicted before it is learned.
 """
@@ -215,7 +235,7 @@ class ModelQuality:
     outliers_rejected: int
     warmup_skipped: int
     heartbeats_ignored: int
-    residual_scale: float  # robust (MAD) scale of relative residuals
+    residual_scale: float  # robust (MAD) scale of log residuals, log(actual/predicted)
     std_errors: dict[str, float] = field(default_factory=dict)  # per coefficient, SI units
 
     def to_dict(self) -> dict[str, Any]:
@@ -251,9 +271,14 @@ class CostModel:
         min_samples: int = 200,
         bucket_floor: float | None = None,
         quality_window: int = 2000,
-        robust_window: int = 500,
-        huber_k: float = 2.5,
-        reject_k: float = 8.0,
+        robust_window: int = 2000,
+        huber_k: float = 1.0,
+        reject_k: float = 3.0,
+        bucket_trust: float = 20.0,
+        misfit_half_life: float = 500.0,
+        bucket_half_life: float = 2000.0,
+        drift_k: float = 1.0,
+        drift_half_life_passes: float = 500.0,
         resolve_every: int = 16,
         max_chunk: int = 2048,
         max_streams: int = 4096,
@@ -266,15 +291,23 @@ class CostModel:
         self.half_life_passes = float(half_life_passes)
         self.warmup_passes = int(warmup_passes)
         self.min_samples = int(min_samples)
-        # Default floor: 1/200 of the half-life (100 samples at the default), so that a
-        # bucket keeps some knowledge forever but stale data never outweighs fresh.
+        # Default floor: 1/2000 of the half-life (10 samples at the default), so that a
+        # bucket keeps some knowledge forever but stale data never outweighs fresh: with
+        # ~100 buckets in use, 1/200 (the old default) held more samples in the floors
+        # than the half-life itself, and a changed engine was never followed.
         self.bucket_floor = (
-            self.half_life_passes / 200.0 if bucket_floor is None else float(bucket_floor)
+            self.half_life_passes / 2000.0 if bucket_floor is None else float(bucket_floor)
         )
         self.quality_window = int(quality_window)
         self.robust_window = int(robust_window)
         self.huber_k = float(huber_k)
         self.reject_k = float(reject_k)
+        self.bucket_trust = float(bucket_trust)
+        self._misfit_decay = 2.0 ** (-1.0 / float(misfit_half_life))
+        self.bucket_half_life = float(bucket_half_life)
+        self._own_decay = 2.0 ** (-1.0 / self.bucket_half_life)
+        self.drift_k = float(drift_k)
+        self.drift_half_life_passes = float(drift_half_life_passes)
         self.resolve_every = max(1, int(resolve_every))
         self.max_chunk = max(1, int(max_chunk))
         self.max_streams = int(max_streams)
@@ -293,7 +326,10 @@ class CostModel:
         self._bucket_clock = np.zeros(nb)
         self._floor = np.full(nb, self.bucket_floor)
         self._floor[_PRIOR_BUCKET] = 0.0  # a warm start fades out completely
+        # Per bucket, the exponentially weighted fraction of its passes the gate rejected.
+        self._reject_rate = np.zeros(nb)
         self._sample_clock = 0.0
+        self._drifting = False
 
         self._coef: FloatArray | None = None  # scaled basis
         self._std_err: FloatArray = np.full(d, np.nan)  # scaled basis
@@ -307,6 +343,7 @@ class CostModel:
         self._r_len = 0
         self._r_pos = 0
         self._residual_scale = math.nan
+        self._residual_center = 0.0
 
         self.samples = 0
         self.regime_samples = dict.fromkeys(REGIMES, 0)
@@ -469,22 +506,22 @@ class CostModel:
         have_pred = np.isfinite(pred) & (pred > 0)
         rel = np.where(have_pred, (y - pred) / np.where(have_pred, pred, 1.0), np.nan)
 
-        # Robust weights: Huber on the relative residual, hard reject far outliers.
-        weight = np.ones(y.shape[0])
-        scale = self._residual_scale
-        if ready and math.isfinite(scale):
-            abs_rel = np.abs(np.nan_to_num(rel, nan=0.0))
-            knee = self.huber_k * scale
-            weight = np.where(abs_rel <= knee, 1.0, knee / np.maximum(abs_rel, 1e-300))
-            weight[abs_rel > self.reject_k * scale] = 0.0
+        buckets = bucket_ids(sched)
+        safe_pred = np.where(have_pred, pred, 1.0)
+        log_res = np.where(have_pred, np.log(np.maximum(y, 1e-12) / safe_pred), np.nan)
+        # Robust from the first residual scale on, not only once ready: early stalls
+        # would otherwise stay in the rarely visited (prefill) buckets for good.
+        robust = math.isfinite(self._residual_scale)
+        weight = self._robust_weights(rel, log_res, buckets) if robust else np.ones(y.shape[0])
         accepted = weight > 0
         self.outliers_rejected += int(np.count_nonzero(~accepted))
 
-        # Relative-error weighting: divide by the predicted time once there is a fit.
-        ref = np.where(ready & have_pred, pred, y)
-        w = weight / np.maximum(ref, 1e-9) ** 2
+        # Relative-error weighting by the *observed* time: weighting by the prediction
+        # would up-weight exactly the passes the model under-predicts (stalls, regimes
+        # not learned yet) and bias the fit high.
+        w = weight / np.maximum(y, 1e-9) ** 2
 
-        self._accumulate(x, y, w, accepted, bucket_ids(sched))
+        self._accumulate(x, y, w, accepted, buckets)
 
         # Bookkeeping: regimes, residual scale, prequential window, per-stream residuals.
         regimes = regime_ids(sched[accepted])
@@ -493,7 +530,7 @@ class CostModel:
         n_acc = int(np.count_nonzero(accepted))
         self.samples += n_acc
         if have_pred.any():
-            self._push_residuals(rel[have_pred])
+            self._push_residuals(log_res[have_pred])
         if ready:
             self._push_quality(y[have_pred], pred[have_pred])
         self._update_stream_residuals(rel, accepted, slot, slot_stats)
@@ -517,15 +554,22 @@ class CostModel:
             return
         x, y, w, buckets = x[accepted], y[accepted], w[accepted], buckets[accepted]
         m = y.shape[0]
-        t_end = self._sample_clock + m
-        # Sample j (0-based) arrives at clock t0+j+1; at t_end it has aged m-1-j.
-        age_weight = self._decay ** np.arange(m - 1, -1, -1, dtype=np.float64)
+        step = self._clock_step()
+        t_end = self._sample_clock + m * step
+        # Sample j (0-based) arrives at clock t0+(j+1)*step; at t_end it has aged (m-1-j)*step.
+        age_weight = self._decay ** (np.arange(m - 1, -1, -1, dtype=np.float64) * step)
         wa = w * age_weight
         self._decay_buckets(np.unique(buckets), t_end)
         order = np.argsort(buckets, kind="stable")
         b_sorted = buckets[order]
         starts = np.flatnonzero(np.r_[True, b_sorted[1:] != b_sorted[:-1]])
         present = b_sorted[starts]
+        # Within a bucket, newer passes supersede older ones (half-life in the bucket's
+        # own passes, no floor): the floor only protects a bucket from *time*, so a
+        # rarely visited regime still replaces stale knowledge (engine warm-up, an
+        # earlier machine state) as soon as it is visited again.
+        n_new = np.diff(np.r_[starts, b_sorted.shape[0]]).astype(np.float64)
+        self._scale_buckets(present, self._own_decay**n_new)
         # Per-sample outer products summed per bucket in one vectorised pass.
         xs, ys, ws = x[order], y[order], wa[order]
         xw = xs * ws[:, None]
@@ -536,18 +580,45 @@ class CostModel:
         self._count[present] += np.add.reduceat(age_weight[order], starts)
         self._sample_clock = t_end
 
+    def _clock_step(self) -> float:
+        """How far one sample advances the forgetting clock: faster while the engine drifts.
+
+        The long-window median of the log residuals is the model's bias on recent
+        passes. Stall runs cannot move it far (it is a median over 2,000 passes); an
+        engine that became slower or faster moves it for good. While it is off by
+        more than ``drift_k`` residual scales (and 5%), the model forgets at the
+        ``drift_half_life_passes`` rate and the coverage floors are suspended (what
+        they hold is stale), so a changed engine is followed within a few thousand
+        passes whatever ``half_life_passes`` is.
+        """
+        center, scale = self._residual_center, self._residual_scale
+        self._drifting = (
+            self._r_len >= self.robust_window // 2
+            and math.isfinite(scale)
+            and abs(center) > max(self.drift_k * scale, 0.05)
+        )
+        if self._drifting:
+            return max(1.0, self.half_life_passes / self.drift_half_life_passes)
+        return 1.0
+
+    def _scale_buckets(self, buckets: npt.NDArray[np.int64], factor: FloatArray) -> None:
+        """Multiply the statistics of ``buckets`` by ``factor`` (forgetting)."""
+        self._gram[buckets] *= factor[:, None, None]
+        self._xty[buckets] *= factor[:, None]
+        self._yty[buckets] *= factor
+        self._count[buckets] *= factor
+
     def _decay_buckets(self, buckets: npt.NDArray[np.int64], t_now: float) -> None:
         """Bring buckets' statistics to clock ``t_now`` (lazy forgetting with a floor)."""
         age = t_now - self._bucket_clock[buckets]
         count = self._count[buckets]
         factor = self._decay**age
-        # Never let time alone push a bucket below its floor of effective samples.
-        floor_factor = np.minimum(1.0, self._floor[buckets] / np.maximum(count, 1e-300))
+        # Never let time alone push a bucket below its floor of effective samples, unless
+        # the engine is drifting: then what the floors hold is stale, not coverage.
+        floor = self._floor[buckets] * (0.0 if self._drifting else 1.0)
+        floor_factor = np.minimum(1.0, floor / np.maximum(count, 1e-300))
         factor = np.where(count > 0, np.maximum(factor, floor_factor), 1.0)
-        self._gram[buckets] *= factor[:, None, None]
-        self._xty[buckets] *= factor[:, None]
-        self._yty[buckets] *= factor
-        self._count[buckets] *= factor
+        self._scale_buckets(buckets, factor)
         self._bucket_clock[buckets] = t_now
 
     def _solve(self) -> None:
@@ -575,19 +646,69 @@ class CostModel:
         except np.linalg.LinAlgError:
             self._std_err = np.full(N_FEATURES, np.nan)
 
-    def _push_residuals(self, rel: FloatArray) -> None:
-        for chunk_start in range(0, rel.shape[0], self.robust_window):
-            part = rel[chunk_start : chunk_start + self.robust_window]
+    def _robust_weights(
+        self, rel: FloatArray, log_res: FloatArray, buckets: npt.NDArray[np.int64]
+    ) -> FloatArray:
+        """Huber weights about the residual centre; passes far on the slow side get 0.
+
+        Stalls (the OS or a neighbour took the CPU) only ever make a pass slower, by
+        up to 30x, and come in runs of hundreds of passes. So the gate is one-sided
+        and its centre and scale are the median and MAD of a long window of *all*
+        residuals: a stall run shorter than half the window cannot open it, while a
+        persistently slower engine moves the median and is learned. A pass that is
+        faster than predicted is never rejected (the fit is too high; let it learn).
+        Buckets with little data, or that the gate keeps rejecting, get a wider gate,
+        so a regime the model has not learned yet is not mistaken for a stall.
+        """
+        scale = self._residual_scale
+        n = log_res.shape[0]
+        if not math.isfinite(scale):
+            return np.ones(n)
+        r = np.nan_to_num(log_res, nan=0.0)
+        excess = r - self._residual_center
+        # Huber on the relative residual (what the weighted least squares sees, so a
+        # pass's pull is bounded by the knee whatever its size), taken about the
+        # centre: after an engine change every pass is off, and all must count fully.
+        abs_rel = np.abs(np.expm1(excess))
+        knee = self.huber_k * scale
+        weight = np.minimum(1.0, knee / np.maximum(abs_rel, 1e-300))
+        # A bucket is trusted once it holds data and the gate has not been rejecting
+        # most of its passes for long: that is the model being wrong there, not stalls
+        # (a stall run is a few hundred passes; the rejection rate has a longer memory).
+        trusted = (self._count[buckets] >= self.bucket_trust) & (self._reject_rate[buckets] < 0.5)
+        gate = self.reject_k * scale
+        # Untrusted buckets get a wider gate (3x, in log units: e.g. 3x slower rather
+        # than 1.35x): wide enough for an unlearned regime, not for a full stall.
+        rejected = np.where(trusted, excess > gate, excess > 3.0 * gate)
+        weight[rejected] = 0.0
+        self._track_reject_rate(buckets, rejected)
+        return weight
+
+    def _track_reject_rate(
+        self, buckets: npt.NDArray[np.int64], rejected: npt.NDArray[np.bool_]
+    ) -> None:
+        """Per-bucket exponentially weighted rejection rate (chunk-level approximation)."""
+        nb = N_BUCKETS + 1
+        n = np.bincount(buckets, minlength=nb).astype(np.float64)
+        hit = np.flatnonzero(n)
+        k = np.bincount(buckets, weights=rejected.astype(np.float64), minlength=nb)
+        keep = self._misfit_decay ** n[hit]
+        self._reject_rate[hit] = self._reject_rate[hit] * keep + (1.0 - keep) * k[hit] / n[hit]
+
+    def _push_residuals(self, log_res: FloatArray) -> None:
+        for chunk_start in range(0, log_res.shape[0], self.robust_window):
+            part = log_res[chunk_start : chunk_start + self.robust_window]
             idx = (self._r_pos + np.arange(part.shape[0])) % self.robust_window
             self._r_ring[idx] = part
             self._r_pos = int((self._r_pos + part.shape[0]) % self.robust_window)
             self._r_len = min(self.robust_window, self._r_len + part.shape[0])
         if self._r_len >= 20:
             ring = self._r_ring[: self._r_len]
-            # Median |residual| about zero, not about the median: after an engine change
-            # the residuals are consistently biased and must widen the scale, or every
-            # new pass would be rejected and the model would never follow.
-            mad = float(np.median(np.abs(ring)))
+            # Median and MAD about it over a long window: robust to stall runs, but a
+            # persistently changed engine shifts the median and re-opens the gate.
+            center = float(np.median(ring))
+            mad = float(np.median(np.abs(ring - center)))
+            self._residual_center = center
             # Floor at 1% so noise-free data does not turn every rounding error into an outlier.
             self._residual_scale = max(1.4826 * mad, 0.01)
 

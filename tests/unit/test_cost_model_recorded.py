@@ -1,0 +1,167 @@
+"""CostModel over a real FPM stream recorded from the vLLM CPU engine.
+
+``tests/data/fpm_recording_tight.jsonl.gz``: 7,381 passes (plus two heartbeats)
+of ``benchmarks/record_fpm.py --configs tight --phase-s 12`` (all five load
+phases: short, long, prefix, decode_heavy, mixed; chunked prefill and preemption),
+recorded on the shared 2-core machine at a load average of about 2-2.5 (read
+shortly afterwards; the recorder did not log it then), with vLLM pinned to one
+OpenMP thread. About 5.5% of its passes were stalled 10-30x by the
+OS scheduler, in runs of up to 111 passes; these runs are what made the previous
+model predict ~2x for thousands of passes.
+
+The figures are deterministic (fixed data, fixed feeding order), so the bounds
+are accuracy assertions, not timing thresholds. Measured when written: model
+MAPE 17.8% / median APE 8.2% over all scored passes; on the noise-floor passes
+model 16.7% / 7.9%, noise floor 22.4% / 7.4%, baseline 93.5% / 29.1%.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from stepscale_engine.wire import ForwardPassMetrics
+from stepscale_operator.cost_model import CostModel, regime_ids, sched_matrix
+
+REPO = Path(__file__).resolve().parents[2]
+RECORDING = REPO / "tests" / "data" / "fpm_recording_tight.jsonl.gz"
+
+# Stated bounds (the issue's target is 1.25x the noise floor's MAPE).
+MAX_MAPE_OVER_FLOOR = 1.25
+MAX_MEDIAN_APE_OVER_FLOOR = 1.5  # the floor's cells are also local in time; see the bench
+MAX_MAPE_OVER_BASELINE = 0.5
+
+
+def _bench() -> ModuleType:
+    """benchmarks/bench_cost_model.py as a module (the baseline and floor live there)."""
+    name = "bench_cost_model"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def passes() -> list[ForwardPassMetrics]:
+    msgs = _bench().load_recording(RECORDING)
+    return [m for m in msgs if m.wall_time > 0]
+
+
+@pytest.fixture(scope="module")
+def scored(passes: list[ForwardPassMetrics]) -> dict[str, Any]:
+    return dict(_bench().score(passes))
+
+
+def _feed(model: CostModel, passes: list[ForwardPassMetrics], batch: int = 16) -> np.ndarray:
+    """Prequential predictions, fed in arrival order in small batches like the pipeline."""
+    sched = sched_matrix([m.scheduled_requests for m in passes])
+    wall = np.array([m.wall_time for m in passes])
+    keys = [(m.worker_id, m.dp_rank) for m in passes]
+    counters = [m.counter_id for m in passes]
+    preds = np.full(len(passes), np.nan)
+    for s in range(0, len(passes), batch):
+        e = s + batch
+        preds[s:e] = model.update_batch(sched[s:e], wall[s:e], keys[s:e], counters[s:e])
+    return preds
+
+
+def test_recording_covers_every_regime(passes: list[ForwardPassMetrics]) -> None:
+    sched = sched_matrix([m.scheduled_requests for m in passes])
+    counts = np.bincount(regime_ids(sched), minlength=4)
+    assert len(passes) > 5000
+    assert counts[0] >= 100 and counts[1] >= 3000 and counts[2] >= 300  # prefill, decode, mixed
+    walls = np.array([m.wall_time for m in passes])
+    assert (walls > 10 * np.median(walls)).mean() > 0.03  # it does contain stalls
+
+
+def test_model_beats_the_baseline(scored: dict[str, Any]) -> None:
+    model, base = scored["all"]["model"], scored["all"]["baseline"]
+    assert model["n"] == base["n"] > 5000
+    assert model["mape"] <= MAX_MAPE_OVER_BASELINE * base["mape"]
+    assert model["median_ape"] < base["median_ape"]
+
+
+def test_model_is_within_stated_factor_of_the_noise_floor(scored: dict[str, Any]) -> None:
+    on = scored["floor_passes"]
+    assert on["noise_floor"]["n"] == on["model"]["n"] > 4000  # the same passes
+    assert scored["model_mape_over_noise_floor"] <= MAX_MAPE_OVER_FLOOR
+    assert scored["model_median_ape_over_noise_floor"] <= MAX_MEDIAN_APE_OVER_FLOOR
+
+
+def test_prequential_error_has_no_long_bad_stretch(passes: list[ForwardPassMetrics]) -> None:
+    """The old failure: after a stall run the model predicted ~2x for thousands of passes."""
+    preds = _feed(CostModel(), passes)
+    wall = np.array([m.wall_time for m in passes])
+    ape = np.abs(preds - wall) / wall
+    ok = np.isfinite(ape)
+    quarters = np.array_split(np.flatnonzero(ok), 4)
+    medians = [float(np.median(ape[q])) for q in quarters]
+    assert max(medians) < 0.15, medians
+
+
+def test_not_systematically_high_in_any_regime(passes: list[ForwardPassMetrics]) -> None:
+    """Median prediction/actual per regime, on passes not stalled (below 20 ms)."""
+    preds = _feed(CostModel(), passes)
+    wall = np.array([m.wall_time for m in passes])
+    regimes = regime_ids(sched_matrix([m.scheduled_requests for m in passes]))
+    calm = np.isfinite(preds) & (wall < 0.02)
+    calm[:500] = False  # as scored by the bench
+    for regime, (lo, hi) in {0: (0.85, 1.15), 1: (0.95, 1.05), 2: (0.85, 1.15)}.items():
+        sel = calm & (regimes == regime)
+        ratio = float(np.median(preds[sel] / wall[sel]))
+        assert lo < ratio < hi, (regime, ratio)
+
+
+def test_fit_is_physical_and_ready(passes: list[ForwardPassMetrics]) -> None:
+    model = CostModel()
+    _feed(model, passes)
+    coef = model.coefficients
+    assert model.ready
+    assert all(v >= 0.0 and math.isfinite(v) for v in coef.values())
+    # A step of this tiny model on one CPU thread takes about 4-5 ms.
+    assert 3e-3 < coef["intercept"] < 6e-3
+    q = model.quality
+    assert q.outliers_rejected > 0.03 * len(passes)  # the stalls were kept out
+    assert q.prefill_only_samples > 0 and q.decode_only_samples > 0 and q.mixed_samples > 0
+
+
+def test_warm_start_keeps_accuracy(passes: list[ForwardPassMetrics]) -> None:
+    """Train on the first half, snapshot through JSON, restore, go on with the second."""
+    half = len(passes) // 2
+    first, second = passes[:half], passes[half:]
+    continuous = CostModel()
+    _feed(continuous, first)
+    snapshot = json.loads(json.dumps(continuous.to_dict()))
+    restored = CostModel.from_dict(snapshot)
+    assert restored.ready
+    wall = np.array([m.wall_time for m in second])
+    pred_restored = _feed(restored, second)
+    pred_continuous = _feed(continuous, second)
+    pred_cold = _feed(CostModel(), second)
+
+    def mape(pred: np.ndarray, sel: slice) -> float:
+        ape = np.abs(pred[sel] - wall[sel]) / wall[sel]
+        return float(np.nanmean(ape))
+
+    # Predictions from the first pass after the (re)start's warm-up, as good as never stopping.
+    warmup = restored.warmup_passes
+    assert np.isfinite(pred_restored[warmup:]).all()
+    assert np.isnan(pred_cold[warmup : warmup + 100]).any()  # a cold model has nothing yet
+    early = slice(warmup, warmup + 500)
+    assert mape(pred_restored, early) <= 1.1 * mape(pred_continuous, early) + 0.01
+    assert mape(pred_restored, slice(warmup, None)) <= (
+        1.1 * mape(pred_continuous, slice(warmup, None)) + 0.01
+    )
+    assert all(v >= 0.0 for v in restored.coefficients.values())
