@@ -3,7 +3,10 @@
     PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_policies.py
 
 Same seed, same start, same run for every policy: ours, static-peak, HPA-style,
-Dynamo-style and the oracle. Prints the table, the planner's prediction accuracy
+Dynamo-style and the oracle (sized by the ground-truth capacity the simulator
+measures for the traffic, so it meets the target and bounds GPU-hours from below).
+``--quick`` shortens both scenarios for iterating; ``--jobs`` (default 2) runs
+policies in parallel processes. Prints the table, the planner's prediction accuracy
 (predicted vs simulated TTFT/ITL at the replica counts it ran) and the simulator's
 speed; writes ``results/bench_policies.json`` and ``results/policies_timeline.png``.
 The Azure trace is read from ``../shared/traces/`` when present; without it only
@@ -15,15 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from stepscale_operator.planner import EngineLimits, PlannerPolicy, SloTargets
-from stepscale_operator.simulator.fleet import Fleet, FleetConfig
+from stepscale_operator.simulator.fleet import Fleet, FleetConfig, SimResult
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B
 from stepscale_operator.simulator.policies import PlannerDrivenPolicy, ScalingSetup, StaticPolicy
 from stepscale_operator.simulator.report import (
@@ -32,7 +37,13 @@ from stepscale_operator.simulator.report import (
     plot_timeline,
     request_latencies,
 )
-from stepscale_operator.simulator.scenario import POLICY_NAMES, PolicyRun, run_policies
+from stepscale_operator.simulator.scenario import (
+    POLICY_NAMES,
+    GroundTruthSizing,
+    PolicyRun,
+    ground_truth_sizing,
+    run_policies,
+)
 from stepscale_operator.simulator.traffic import Traffic, load_azure_csv, synthetic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,16 +109,54 @@ def speed_check(trace: Traffic | None) -> dict[str, float]:
     }
 
 
+# Per-scenario state the worker processes inherit (fork) instead of unpickling.
+_SCENARIOS: dict[str, tuple[Traffic, GroundTruthSizing]] = {}
+_SEED = 0
+
+
+def _run_one(job: tuple[str, str]) -> tuple[RunSummary, SimResult, dict[str, float]]:
+    """One policy on one scenario (a worker process): summary, result, accuracy."""
+    scenario, name = job
+    traffic, sizing = _SCENARIOS[scenario]
+    (run,) = run_policies(
+        traffic,
+        [name],
+        SETUP,
+        scenario,
+        profile=H100_LLAMA_8B,
+        planner_policy=PlannerPolicy(),
+        seed=_SEED,
+        sizing=sizing,
+    )
+    accuracy = prediction_accuracy(run) if name == "ours" else {}
+    return run.summary, run.result, accuracy
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison; returns 0."""
+    global _SEED
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rate-scale", type=float, default=20.0, help="Azure trace rate scale")
     parser.add_argument("--duration-s", type=float, default=None, help="cut the trace")
     parser.add_argument("--burst-rps", type=float, default=40.0)
     parser.add_argument("--burst-duration-s", type=float, default=1800.0)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="shortened scenarios for iterating: first 30 min of the trace, 20 min of bursts",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="policies simulated in parallel (processes)"
+    )
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args(argv)
+    if args.quick:
+        args.duration_s = args.duration_s or 1800.0
+        args.burst_duration_s = min(args.burst_duration_s, 1200.0)
+    names = [n for n in args.policies.split(",") if n]
+    _SEED = args.seed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -124,36 +173,50 @@ def main(argv: list[str] | None = None) -> int:
     bursts = synthetic("bursts", args.burst_duration_s, args.burst_rps, seed=args.seed)
     scenarios.append(("synthetic-bursts", bursts))
 
-    rows: list[RunSummary] = []
-    accuracy: dict[str, dict[str, float]] = {}
-    plotted: list[PolicyRun] = []
     began = time.perf_counter()
+    sizings: dict[str, dict[str, float]] = {}
     for name, traffic in scenarios:
+        sizing = ground_truth_sizing(traffic, SETUP, H100_LLAMA_8B, PlannerPolicy(), seed=args.seed)
+        _SCENARIOS[name] = (traffic, sizing)
+        sizings[name] = {
+            "capacity_rps_per_replica": sizing.capacity_rps,
+            "calibrated_at_replicas": float(sizing.calibrated_at_replicas),
+            "peak_need": float(sizing.needs.max()),
+            "calibration_wall_s": sizing.wall_s,
+        }
         print(
             f"{name}: {len(traffic)} requests, {traffic.duration_s:.0f} s, "
-            f"{len(traffic) / traffic.duration_s:.1f} req/s",
+            f"{len(traffic) / traffic.duration_s:.1f} req/s; ground-truth capacity "
+            f"{sizing.capacity_rps:.2f} req/s per replica at 99% (measured on "
+            f"{sizing.calibrated_at_replicas} replicas in {sizing.wall_s:.0f} s), "
+            f"peak need {sizing.needs.max()}",
             file=sys.stderr,
         )
-        runs = run_policies(
-            traffic,
-            POLICY_NAMES,
-            SETUP,
-            name,
-            profile=H100_LLAMA_8B,
-            planner_policy=PlannerPolicy(),
-            seed=args.seed,
-        )
-        for run in runs:
-            print(
-                f"  {run.summary.policy:<7} {run.summary.wall_s:6.1f} s wall, "
-                f"attainment {run.summary.attainment:.2%}, GPU-h {run.summary.gpu_hours:.2f}",
-                file=sys.stderr,
-            )
-            rows.append(run.summary)
-            if run.summary.policy == "ours":
-                accuracy[name] = prediction_accuracy(run)
-        if not plotted:
-            plotted = runs
+
+    jobs = [(scenario, policy) for scenario, _ in scenarios for policy in names]
+    outcomes: dict[tuple[str, str], tuple[RunSummary, SimResult, dict[str, float]]] = {}
+    if args.jobs > 1:
+        # Longest first (the FPM-driven run and the big fleets on the trace).
+        order = sorted(jobs, key=lambda j: (j[0] != scenarios[0][0], j[1] != "ours"))
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+            for job, outcome in zip(order, pool.map(_run_one, order), strict=True):
+                outcomes[job] = outcome
+                print(f"  {job[0]} {job[1]}: {outcome[0].wall_s:.0f} s wall", file=sys.stderr)
+    else:
+        for job in jobs:
+            outcomes[job] = _run_one(job)
+            print(f"  {job[0]} {job[1]}: {outcomes[job][0].wall_s:.0f} s wall", file=sys.stderr)
+
+    rows: list[RunSummary] = []
+    accuracy: dict[str, dict[str, float]] = {}
+    plotted: dict[str, list[SimResult]] = {}
+    for job in jobs:
+        summary, result, acc = outcomes[job]
+        rows.append(summary)
+        if acc:
+            accuracy[job[0]] = acc
+        plotted.setdefault(job[0], []).append(result)
     speed = speed_check(raw_trace)
 
     oracle = {r.scenario: r.gpu_hours for r in rows if r.policy == "oracle"}
@@ -171,12 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         f"Speed: {speed['simulated_s']:.0f} s of {speed['requests']:.0f} requests on 20 replicas "
         f"({speed['passes']:.0f} passes) simulated in {speed['wall_s']:.1f} s"
     )
-    print(f"Total benchmark time {time.perf_counter() - began:.0f} s")
+    total_s = time.perf_counter() - began
+    print(f"Total benchmark time {total_s:.0f} s")
 
     payload = {
         "slo": asdict(SLO),
         "setup": {"startup_s": SETUP.startup_s, "limits": asdict(SETUP.limits)},
         "planner_policy": asdict(PlannerPolicy()),
+        "args": vars(args),
+        "ground_truth_sizing": sizings,
         "runs": [
             {
                 k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -187,16 +253,16 @@ def main(argv: list[str] | None = None) -> int:
         "oracle_gpu_hours": oracle,
         "prediction_accuracy": accuracy,
         "speed": speed,
+        "total_wall_s": total_s,
     }
     (out / "bench_policies.json").write_text(json.dumps(payload, indent=2))
-    if plotted:
-        plot_timeline(
-            [r.result for r in plotted],
-            SLO,
-            str(out / "policies_timeline.png"),
-            title=plotted[0].summary.scenario,
-        )
-    print(f"wrote {out / 'bench_policies.json'} and {out / 'policies_timeline.png'}")
+    pngs: list[str] = []
+    for k, (scenario, _) in enumerate(scenarios):
+        # The first scenario (the trace) is the headline plot; others get a suffix.
+        png = out / ("policies_timeline.png" if k == 0 else f"policies_timeline_{scenario}.png")
+        plot_timeline(plotted.get(scenario, []), SLO, str(png), title=scenario)
+        pngs.append(str(png))
+    print(f"wrote {out / 'bench_policies.json'} and {', '.join(pngs)}")
     return 0
 
 

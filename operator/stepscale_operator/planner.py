@@ -1,8 +1,10 @@
 """Planner: turns a step-time model and a load estimate into a replica count.
 
 Pure and deterministic, no I/O. The only state a :class:`Planner` keeps is the
-history of its own recommendations, which the scale-down stabilization window
-needs; the same sequence of ``decide`` calls always gives the same decisions.
+history of its own recommendations and needs (for the stabilization window and
+burst memory), the last queue size (for the backlog growth) and recent forecast
+ratios (for trend persistence); the same sequence of ``decide`` calls always
+gives the same decisions.
 
 Capacity model (per replica, load spread evenly by the router):
 
@@ -22,7 +24,20 @@ Capacity model (per replica, load spread evenly by the router):
   residual of the step in progress.
 
 The target is the smallest replica count whose predicted TTFT and ITL (at the
-planning quantile) are within the SLO less a margin.
+planning quantile) are within the SLO less a margin (grown by the model's error),
+for the load expected one pod start-up ahead. On top of that:
+
+* Backlog: the load estimate measures *served* work. Once the queued prefill
+  tokens exceed a share of the TTFT budget per replica, the fleet is behind: the
+  demand is the served load plus the queue's growth, and the replicas that drain
+  the queue within one start-up time are added.
+* Look-ahead: the trend raises the planned load only as far as it persisted over
+  the last few decisions (a noisy one-window trend is ignored), capped.
+* Bursts: a need that jumps by ``burst_ratio`` within one start-up horizon rose
+  faster than pods can start; its peak (on the queue-corrected demand) is kept for
+  ``burst_memory_s`` so a recurring burst finds its capacity already there.
+* Scale-down: survivors must carry the measured load within the SLO less the
+  margin plus hysteresis, for the whole stabilization window.
 """
 
 from __future__ import annotations
@@ -101,22 +116,43 @@ class PlannerPolicy:
     max_model_error_margin: float = 0.15
     max_surge: int = 8  # replicas added by one decision at most
     scale_down_step: int = 1  # replicas removed by one decision at most
-    scale_down_stabilization_s: float = 120.0
+    scale_down_stabilization_s: float = 300.0  # HPA's default scale-down window
     starting_timeout_s: float = 600.0  # a pod starting longer than this is not counted
     max_load_age_s: float = 30.0  # older load estimates are stale
     lookahead_extra_s: float = 10.0  # added to the pod start-up time (one decision period)
-    # A trend measured over a short window is noisy: use half of it, and let it
-    # raise the planned load by at most 30%.
+    # A trend measured over a short window is noisy: use half of it, let it raise
+    # the planned load by at most 30%, and only as far as it persisted.
     trend_weight: float = 0.5
     max_forecast_ratio: float = 1.3
+    trend_persistence_s: float = 15.0  # a rise counts as far as it held this long
+    # Headroom for what no trend shows yet: the load can jump within one pod
+    # start-up time (the scaled Azure trace moves 10-15% from one minute to the
+    # next), so plan for at least this multiple of the measured load.
+    min_lookahead_ratio: float = 1.1
     latency_quantile: float = 0.99  # TTFT/ITL are planned at this quantile
     prompt_tail_ratio: float = 3.5  # the quantile prompt is this many times the mean
     service_cv2: float = 1.0  # squared coefficient of variation of prefill service time
     # The ITL tail is set by short requests: plan for one with this share of the
     # mean output length (calibrated on simulated Azure-like traffic).
-    itl_tail_output_fraction: float = 0.08
+    itl_tail_output_fraction: float = 0.14
     min_itl_tail_tokens: float = 4.0
     queue_per_replica_target: float = 4.0  # queue rule used before the model is ready
+    # Backlog: the load estimate measures what was *served*; when the fleet falls
+    # behind, the arrivals exceed it by the growth of the queued prefill tokens.
+    # Demand = served + that growth, and once the queue holds more than
+    # ``backlog_trigger`` of the TTFT target in prefill work per ready replica, add
+    # the replicas that clear it within ``backlog_drain_s`` (0: the pod start-up time).
+    backlog_trigger: float = 0.25
+    backlog_drain_s: float = 0.0
+    max_demand_ratio: float = 3.0
+    # Bursts: a rise of the needed count by ``burst_ratio`` (and at least
+    # ``burst_min_step`` replicas) within one look-ahead horizon is faster than pods
+    # start, so reacting cannot serve it. After one, keep the peak need for
+    # ``burst_memory_s`` (scale-down waits that long instead of the stabilization
+    # window) so a recurring burst finds its capacity already there.
+    burst_ratio: float = 1.6
+    burst_min_step: int = 3
+    burst_memory_s: float = 900.0
     advisory: bool = False  # decide and explain, but change nothing
 
 
@@ -400,6 +436,28 @@ class _Recommendation:
     replicas: int
 
 
+def prefill_tokens_per_s(predictor: StepTimePredictor, engine: EngineLimits) -> float:
+    """Prompt tokens one replica computes per second when it only prefills."""
+    chunk = max(engine.max_num_batched_tokens, 1)
+    step = predictor.predict(
+        ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=chunk)
+    )
+    return chunk / max(step, 1e-6)
+
+
+def with_demand(load: LoadEstimate, ratio: float) -> LoadEstimate:
+    """``load`` with its request and token rates multiplied by ``ratio``."""
+    if ratio == 1.0:
+        return load
+    return replace(
+        load,
+        prefill_tokens_per_s=load.prefill_tokens_per_s * ratio,
+        prefill_requests_per_s=load.prefill_requests_per_s * ratio,
+        prefill_cached_tokens_per_s=load.prefill_cached_tokens_per_s * ratio,
+        decode_tokens_per_s=load.decode_tokens_per_s * ratio,
+    )
+
+
 class Planner:
     """Decides the replica count of one deployment; call :meth:`decide` each period."""
 
@@ -407,12 +465,14 @@ class Planner:
         self.policy = policy or PlannerPolicy()
         self._history: list[_Recommendation] = []
         self._first_decision_time: float | None = None
+        self._needs: list[_Recommendation] = []  # need on the measured demand, for bursts
+        self._last_queue: tuple[float, float] | None = None  # (time, queued prefill tokens)
+        self._last_burst: float | None = None
+        self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
 
     def decide(self, inputs: PlannerInputs, now: float) -> Decision:
         """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``)."""
         policy = self.policy
-        if self._first_decision_time is None:
-            self._first_decision_time = now
         timed_out = sum(
             1 for t in inputs.replicas.starting_since if now - t > policy.starting_timeout_s
         )
@@ -455,14 +515,19 @@ class Planner:
         if not inputs.model_ready:
             return self._queue_rule(inputs, now, total, lo, hi, record)
 
+        # The stabilization window counts from the first decision made on the model
+        # with fresh data: the queue rule and stale holds never justify scale-down.
+        if self._first_decision_time is None:
+            self._first_decision_time = now
         mape = inputs.model_mape if inputs.model_mape is not None else 0.0
         margin = policy.margin + min(
             policy.model_error_weight * max(mape, 0.0), policy.max_model_error_margin
         )
         horizon = inputs.pod_startup_s + policy.lookahead_extra_s
-        planned = forecast_load(
-            inputs.load, horizon * policy.trend_weight, policy.max_forecast_ratio
-        )
+        measured_raw = inputs.load
+        demand_ratio, backlog_replicas = self._backlog(inputs, now, record)
+        measured = with_demand(measured_raw, demand_ratio)
+        planned = self._persistent_forecast(measured, horizon, now, record)
         record["planned_load"] = planned.to_dict()
         record["effective_margin"] = margin
         record["lookahead_s"] = horizon
@@ -478,12 +543,10 @@ class Planner:
                 n,
             )
 
-        measured = inputs.load
-
         search_high = max(hi, coming, 1)
         if planned.prefill_tokens_per_s <= 0.0 and planned.decode_tokens_per_s <= 0.0:
             needed, reachable = 0, True
-            down_ok = 0
+            down_ok = measured_need = 0
         else:
             needed, reachable = smallest_replicas_within_slo(
                 lambda n: prediction(n).within(inputs.slo, margin), 1, search_high
@@ -495,7 +558,19 @@ class Planner:
                 1,
                 search_high,
             )
+            # What the measured demand needs, with the look-ahead headroom but no
+            # trend: the need a burst memory keeps.
+            steady = with_demand(measured, max(policy.min_lookahead_ratio, 1.0))
+            measured_need, _ = smallest_replicas_within_slo(
+                lambda n: prediction(n, steady).within(inputs.slo, margin), 1, search_high
+            )
             down_ok = max(down_ok, needed)
+        # Bursts are judged, and remembered, on the measured load's need: not on a
+        # forecast or a backlog allowance, which would keep an overshoot.
+        burst_floor = self._burst_floor(now, measured_need, horizon, record)
+        load_floor = max(down_ok + timed_out, lo)
+        down_ok = max(down_ok, burst_floor)
+        needed = min(needed + backlog_replicas, search_high)
         record["needed_replicas"] = needed
         record["scale_down_floor"] = down_ok
         confidence = max(0.0, 1.0 - 2.0 * mape) * (1.0 if reachable else 0.5)
@@ -508,6 +583,8 @@ class Planner:
                 f"scale up: predicted latency at {coming} replicas exceeds the SLO less "
                 f"{margin:.0%} margin for the load {horizon:.0f}s ahead; {needed} needed"
             )
+            if backlog_replicas:
+                why += f" (incl. {backlog_replicas} to drain the queued prefill backlog)"
             if timed_out:
                 why += f", plus {timed_out} replacing pods stuck starting"
             if not reachable:
@@ -551,7 +628,13 @@ class Planner:
                 prediction(max(inputs.replicas.ready, 1)),
                 prediction(n_after, measured),
             )
-        if candidate < total:
+        if load_floor < total <= burst_floor + timed_out:
+            ago = now - (self._last_burst if self._last_burst is not None else now)
+            why = (
+                f"hold: a burst faster than pod start-up was seen {ago:.0f}s ago; "
+                f"its peak need ({burst_floor}) is kept for {policy.burst_memory_s:.0f}s"
+            )
+        elif candidate < total:
             why = (
                 f"hold: {candidate} would do, but scale-down waits for the "
                 f"{policy.scale_down_stabilization_s:.0f}s stabilization window "
@@ -573,6 +656,86 @@ class Planner:
         )
 
     # -- pieces ------------------------------------------------------------------
+
+    def _persistent_forecast(
+        self, measured: LoadEstimate, horizon: float, now: float, record: dict[str, object]
+    ) -> LoadEstimate:
+        """The trend forecast, raised only as far as it held over the persistence window.
+
+        A trend fitted on a 30 s window is noisy; one that persists for a few
+        decisions is a ramp. Fast up (a persistent rise is followed at once),
+        never down on a forecast (see :func:`forecast_load`).
+        """
+        policy = self.policy
+        ahead = forecast_load(measured, horizon * policy.trend_weight, policy.max_forecast_ratio)
+        base = measured.prefill_tokens_per_s or measured.decode_tokens_per_s
+        raised = ahead.prefill_tokens_per_s or ahead.decode_tokens_per_s
+        ratio = raised / base if base > 0.0 else 1.0
+        self._ratios.append((now, ratio))
+        self._ratios = [r for r in self._ratios if r[0] >= now - policy.trend_persistence_s]
+        held = min(r for _, r in self._ratios)
+        floor = max(policy.min_lookahead_ratio, 1.0)
+        record["forecast_ratio"] = max(held, floor)
+        if held >= ratio and ratio >= floor:
+            return ahead
+        return with_demand(measured, max(held, floor))
+
+    def _backlog(
+        self, inputs: PlannerInputs, now: float, record: dict[str, object]
+    ) -> tuple[float, int]:
+        """Demand ratio (served + queue growth over served) and replicas to drain the queue."""
+        policy = self.policy
+        load = inputs.load
+        assert load is not None
+        queued = max(load.queued_prefill_tokens, 0.0)
+        growth = 0.0
+        before = 0.0
+        if self._last_queue is not None:
+            then, before = self._last_queue
+            if 0.0 < now - then <= 2.0 * policy.max_load_age_s:
+                growth = (queued - before) / (now - then)
+        self._last_queue = (now, queued)
+        served = max(load.prefill_tokens_per_s, 0.0)
+        per_replica = prefill_tokens_per_s(inputs.predictor, inputs.engine)
+        ready = max(inputs.replicas.ready, 1)
+        trigger = policy.backlog_trigger * inputs.slo.ttft_ms / 1e3 * per_replica * ready
+        ratio = 1.0
+        extra = 0
+        # Only a queue past the trigger means the fleet is behind; below it, queue
+        # changes are the noise of normal batching. Behind, the arrivals are what
+        # is served plus the queue's growth, or less its shrinking while it drains.
+        if max(queued, before) > trigger and served > 0.0:
+            ratio = (served + growth) / served
+            ratio = min(max(ratio, 1.0 / policy.max_demand_ratio), policy.max_demand_ratio)
+        if queued > trigger:
+            drain = policy.backlog_drain_s or max(inputs.pod_startup_s, 1.0)
+            extra = min(math.ceil(queued / (per_replica * drain)), policy.max_surge)
+        record["queued_prefill_tokens"] = queued
+        record["queue_growth_tokens_per_s"] = growth
+        record["demand_ratio"] = ratio
+        record["backlog_replicas"] = extra
+        return ratio, extra
+
+    def _burst_floor(
+        self, now: float, needed: int, horizon: float, record: dict[str, object]
+    ) -> int:
+        """Peak need over the burst memory after a burst; 0 when none was seen.
+
+        ``needed`` is sized on the demand (served load corrected by the queue's
+        growth or drain), so a backlog draining after the burst does not inflate it.
+        """
+        policy = self.policy
+        self._needs.append(_Recommendation(now, needed))
+        keep = max(policy.burst_memory_s, horizon)
+        self._needs = [r for r in self._needs if r.time >= now - keep]
+        before = [r.replicas for r in self._needs if r.time >= now - horizon]
+        low = min(before) if before else needed
+        if needed - low >= policy.burst_min_step and needed >= policy.burst_ratio * max(low, 1):
+            self._last_burst = now
+        record["burst_seen_s_ago"] = None if self._last_burst is None else now - self._last_burst
+        if self._last_burst is None or now - self._last_burst > policy.burst_memory_s:
+            return 0
+        return max(r.replicas for r in self._needs if r.time >= now - policy.burst_memory_s)
 
     def _stale_reason(self, inputs: PlannerInputs, now: float) -> str:
         load = inputs.load

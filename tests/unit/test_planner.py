@@ -280,10 +280,11 @@ def test_no_flapping_under_steady_noisy_load() -> None:
 
 
 def test_looks_ahead_by_startup_time_using_the_trend() -> None:
-    flat = needed_for(load_of(40.0))
-    # Half the trend over the 60 s start-up (+10 s): +17.5 req/s, capped at +30%.
-    rising = needed_for(load_of(40.0, trend=0.5))
-    falling = needed_for(load_of(40.0, trend=-0.2))
+    flat = needed_for(load_of(45.0))
+    # Half the trend over the 60 s start-up (+10 s): +17.5 req/s, capped at +20%.
+    rising = needed_for(load_of(45.0, trend=0.5))
+    assert rising == needed_for(load_of(45.0 * PlannerPolicy().max_forecast_ratio))
+    falling = needed_for(load_of(45.0, trend=-0.2))
     assert rising > flat
     assert falling == flat
     ahead = forecast_load(load_of(40.0, trend=0.2), 60.0, 2.0)
@@ -340,3 +341,83 @@ def test_deterministic() -> None:
 def test_bounds_are_respected() -> None:
     decision = Planner().decide(inputs_for(load_of(0.0), 0, min_replicas=2), now=0.0)
     assert decision.desired_replicas == 2
+
+
+def test_queued_backlog_scales_up_beyond_the_served_load() -> None:
+    # The estimate measures served work; a fleet that has fallen behind serves
+    # its capacity while the queue grows. The planner adds what drains the queue
+    # within one start-up time, and sizes for served + queue growth.
+    served = load_of(40.0)
+    base = needed_for(served)
+    calm = Planner().decide(inputs_for(served, base, now=0.0), now=0.0)
+    assert calm.action == "hold" and calm.inputs["backlog_replicas"] == 0
+    # 300 prompts of 1000 tokens queued: 300k tokens, ~9 s of prefill per replica.
+    backlog = Planner().decide(inputs_for(load_of(40.0, queued=300.0), base, now=0.0), now=0.0)
+    extra = backlog.inputs["backlog_replicas"]
+    assert isinstance(extra, int) and extra >= 1
+    assert backlog.action == "scale_up" and backlog.desired_replicas >= base + extra
+    assert "backlog" in backlog.reason
+    # A growing queue means arrivals exceed what is served: size for both.
+    planner = Planner()
+    planner.decide(inputs_for(load_of(40.0, queued=20.0), base, now=0.0), now=0.0)
+    growing = planner.decide(inputs_for(load_of(40.0, queued=120.0), base, now=5.0), now=5.0)
+    ratio = growing.inputs["demand_ratio"]
+    assert isinstance(ratio, float) and ratio == pytest.approx(1.5)  # 20 req/s more
+    assert growing.desired_replicas >= needed_for(load_of(60.0))
+
+
+def test_a_burst_faster_than_startup_keeps_its_peak_for_the_burst_memory() -> None:
+    policy = PlannerPolicy(scale_down_stabilization_s=60.0, burst_memory_s=600.0)
+    planner = Planner(policy)
+    low, high = load_of(20.0), load_of(100.0)
+    total = needed_for(low, policy)
+    for t in range(0, 120, 10):
+        total = planner.decide(inputs_for(low, total, now=t), now=t).desired_replicas
+    peak = planner.decide(inputs_for(high, total, now=120.0), now=120.0)
+    assert peak.action == "scale_up" and peak.inputs["burst_seen_s_ago"] == 0.0
+    total = peak.desired_replicas
+    # The burst ends; without the memory the 60 s window would release it at 180 s.
+    t = 130.0
+    while t < 120.0 + 600.0:
+        d = planner.decide(inputs_for(low, total, now=t), now=t)
+        assert d.desired_replicas == total, t
+        t += 10.0
+    assert "burst" in d.reason
+    # Then the usual stabilization window, and scale-down resumes.
+    actions = [
+        planner.decide(inputs_for(low, total, now=t + k), now=t + k).action
+        for k in range(0, 80, 10)
+    ]
+    assert actions[-1] == "scale_down"
+    # A slow ramp of the same size is not a burst: normal stabilization applies.
+    slow = Planner(policy)
+    total = needed_for(low, policy)
+    for i, t in enumerate(range(0, 1200, 10)):
+        rate = 20.0 + min(i, 80) * 1.0
+        total = slow.decide(inputs_for(load_of(rate), total, now=t), now=t).desired_replicas
+    assert (
+        slow.decide(inputs_for(load_of(100.0), total, now=1200.0), now=1200.0).inputs[
+            "burst_seen_s_ago"
+        ]
+        is None
+    )
+
+
+def test_look_ahead_follows_a_persistent_rise_not_a_noisy_blip() -> None:
+    planner = Planner()
+    flat = needed_for(load_of(45.0))
+    rising = needed_for(load_of(45.0, trend=0.5))
+    assert rising > flat
+    total = planner.decide(inputs_for(load_of(45.0), flat, now=0.0), now=0.0).desired_replicas
+    assert total == flat
+    # One window with a steep trend is noise until it persists for 15 s.
+    blip = planner.decide(inputs_for(load_of(45.0, trend=0.5), total, now=5.0), now=5.0)
+    headroom = PlannerPolicy().min_lookahead_ratio
+    assert blip.desired_replicas == flat and blip.inputs["forecast_ratio"] == headroom
+    planner.decide(inputs_for(load_of(45.0), total, now=10.0), now=10.0)
+    desired = []
+    for t in (15.0, 20.0, 25.0, 30.0):
+        d = planner.decide(inputs_for(load_of(45.0, trend=0.5), total, now=t), now=t)
+        desired.append(d.desired_replicas)
+    assert desired[0] == flat  # the dip at 10 s is still in the window
+    assert desired[-1] == rising  # a rise held for 15 s is a ramp: look ahead on it

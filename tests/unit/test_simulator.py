@@ -221,3 +221,29 @@ def test_fpm_flow_through_the_operator_pipeline_into_the_planner() -> None:
     assert load.prefill_tokens_per_s == pytest.approx(true_prefill, rel=0.35)
     assert policy.decisions and all(isinstance(d["reason"], str) for d in policy.decisions)
     assert any(not math.isnan(c.itl_mean_ms) for c in policy.checks)
+
+
+def test_oracle_is_sized_by_the_measured_ground_truth_capacity() -> None:
+    from stepscale_operator.simulator.policies import (
+        OraclePolicy,
+        arrival_rate_series,
+        calibrate_capacity,
+        steady_segments,
+    )
+
+    traffic = synthetic("steps", duration_s=400.0, base_rps=6.0, seed=3)
+    setup = ScalingSetup(SloTargets(1000.0, 40.0), EngineLimits(), startup_s=30.0)
+    # Segments keep the traffic's own requests, replayed at the asked rate.
+    (segment,) = steady_segments(traffic, 10.0, 50.0, count=1)
+    assert len(segment) == 500 and segment.arrival_s[-1] < 50.0
+    assert set(segment.prompt_tokens.tolist()) <= set(traffic.prompt_tokens.tolist())
+    cap = calibrate_capacity(
+        traffic, setup, H100_LLAMA_8B, replicas=1, duration_s=60.0, warmup_s=10.0, iterations=3
+    )
+    assert 3.0 < cap < 40.0
+    oracle = OraclePolicy(traffic, setup, cap)
+    rates = arrival_rate_series(traffic)
+    assert oracle.needs.tolist() == np.maximum(np.ceil(rates / cap), 1).astype(int).tolist()
+    # It asks now for what the slots up to one start-up time ahead need.
+    view = FleetView(0.0, 1, (), 0.0, None, 0)
+    assert oracle.desired(view) == int(oracle.needs[: int(35 // 10) + 1].max())

@@ -1,8 +1,9 @@
 """Run several scaling policies over the same traffic with the same seed.
 
-Shared by ``stepscale simulate`` and ``benchmarks/bench_policies.py``: builds each
+Shared by ``stepscale simulate`` and ``benchmarks/bench_policies.py``: measures the
+traffic's true needs once (ground-truth capacity by simulation), builds each
 policy from one :class:`ScalingSetup`, starts every fleet at the same size (what
-the first minutes need, so no policy pays for a cold start), and summarises.
+the first minutes truly need, so no policy pays for a cold start), and summarises.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from stepscale_engine.wire import ForwardPassMetrics
 from stepscale_operator.planner import Planner, PlannerPolicy
@@ -23,6 +27,7 @@ from stepscale_operator.simulator.policies import (
     PlannerDrivenPolicy,
     ScalingSetup,
     StaticPolicy,
+    calibrate_capacity,
     needed_replicas_series,
 )
 from stepscale_operator.simulator.report import RunSummary, summarise
@@ -40,35 +45,67 @@ class PolicyRun:
     policy: ScalingPolicy
 
 
+@dataclass(frozen=True)
+class GroundTruthSizing:
+    """The traffic's true needs: per-replica capacity measured by simulation, and the
+    replicas each 10 s slot needs for its true arrival rate (shared by the oracle,
+    the static peak and the common starting size)."""
+
+    capacity_rps: float
+    calibrated_at_replicas: int
+    needs: npt.NDArray[np.int64]
+    wall_s: float
+
+
+def ground_truth_sizing(
+    traffic: Traffic,
+    setup: ScalingSetup,
+    profile: StepTimeProfile,
+    planner_policy: PlannerPolicy,
+    target: float = 0.99,
+    seed: int = 0,
+) -> GroundTruthSizing:
+    """Calibrate the capacity at the fleet size the traffic typically needs."""
+    began = time.perf_counter()
+    model_needs = needed_replicas_series(traffic, setup, profile, planner_policy)
+    # Pooling makes big fleets a little more efficient per replica; calibrate at the
+    # typical size (capped to keep the calibration cheap).
+    size = int(min(max(round(float(np.median(model_needs))), 1), 10))
+    capacity = calibrate_capacity(traffic, setup, profile, size, target=target, seed=seed)
+    oracle = OraclePolicy(traffic, setup, capacity)
+    return GroundTruthSizing(capacity, size, oracle.needs, time.perf_counter() - began)
+
+
 def build_policy(
     name: str,
     traffic: Traffic,
     setup: ScalingSetup,
     profile: StepTimeProfile,
     planner_policy: PlannerPolicy,
+    sizing: GroundTruthSizing | None = None,
 ) -> ScalingPolicy:
     """The named policy (see ``POLICY_NAMES``) for this traffic and setup."""
+    if name in ("static", "oracle") and sizing is None:
+        sizing = ground_truth_sizing(traffic, setup, profile, planner_policy)
     if name == "ours":
         return PlannerDrivenPolicy(setup, planner=Planner(planner_policy))
     if name == "static":
-        peak = needed_replicas_series(traffic, setup, profile, planner_policy).max()
-        return StaticPolicy(int(peak))
+        assert sizing is not None
+        return StaticPolicy(int(sizing.needs.max()))
     if name == "hpa":
         return HpaPolicy(setup)
     if name == "dynamo":
         return DynamoPolicy(setup, profile, policy=planner_policy)
     if name == "oracle":
-        return OraclePolicy(traffic, setup, profile, planner_policy)
+        assert sizing is not None
+        return OraclePolicy(traffic, setup, sizing.capacity_rps)
     raise ValueError(f"unknown policy {name!r}; choose from {POLICY_NAMES}")
 
 
-def initial_replicas(
-    traffic: Traffic, setup: ScalingSetup, profile: StepTimeProfile, policy: PlannerPolicy
-) -> int:
+def initial_replicas(traffic: Traffic, setup: ScalingSetup, sizing: GroundTruthSizing) -> int:
     """What the traffic needs over its first start-up time (+10 s): the common start."""
-    needs = needed_replicas_series(traffic, setup, profile, policy)
     slots = max(1, int((setup.startup_s + 10.0) // 10.0) + 1)
-    return int(needs[:slots].max())
+    return int(sizing.needs[:slots].max())
 
 
 def run_policies(
@@ -82,13 +119,16 @@ def run_policies(
     seed: int = 0,
     progress: Callable[[str, float], None] | None = None,
     fpm_tap: Callable[[Sequence[tuple[float, ForwardPassMetrics]]], None] | None = None,
+    sizing: GroundTruthSizing | None = None,
 ) -> list[PolicyRun]:
     """Simulate each named policy on ``traffic``; same seed, same start for all."""
     planner_policy = planner_policy or PlannerPolicy()
-    start = initial_replicas(traffic, setup, profile, planner_policy)
+    if sizing is None:
+        sizing = ground_truth_sizing(traffic, setup, profile, planner_policy, seed=seed)
+    start = initial_replicas(traffic, setup, sizing)
     runs: list[PolicyRun] = []
     for name in names:
-        policy = build_policy(name, traffic, setup, profile, planner_policy)
+        policy = build_policy(name, traffic, setup, profile, planner_policy, sizing)
         config = FleetConfig(
             initial_replicas=start,
             startup_s=setup.startup_s,
