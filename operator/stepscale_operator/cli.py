@@ -344,5 +344,51 @@ register(
 )
 
 
+# The operator and the simulator pull in numpy, kopf and kubernetes: imported on
+# use, so that `stepscale tail` starts quickly.
+def _add_operator_arguments(parser: argparse.ArgumentParser) -> None:
+    from stepscale_operator.controller.cli_command import add_operator_arguments
+
+    add_operator_arguments(parser)
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    from stepscale_operator.controller.cli_command import run_operator_command
+
+    return run_operator_command(args)
+
+
+register(
+    Subcommand(
+        name="operator",
+        help="run the VllmDeployment operator (kopf) against the current cluster",
+        add_arguments=_add_operator_arguments,
+        run=_run_operator,
+    )
+)
+
+
+def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    from stepscale_operator.simulate_cli import add_simulate_arguments
+
+    add_simulate_arguments(parser)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from stepscale_operator.simulate_cli import run_simulate
+
+    return run_simulate(args)
+
+
+register(
+    Subcommand(
+        name="simulate",
+        help="simulate a fleet of engines under a trace and compare scaling policies",
+        add_arguments=_add_simulate_arguments,
+        run=_run_simulate,
+    )
+)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,15 +22,13 @@ from stepscale_operator.simulator.report import format_table, plot_timeline
 from stepscale_operator.simulator.scenario import POLICY_NAMES, run_policies
 from stepscale_operator.simulator.traffic import SYNTHETIC_KINDS, Traffic, load_trace, synthetic
 
+SIMULATE_HELP = "simulate a fleet of engines under a trace and compare scaling policies"
 
-def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``simulate`` on an ``argparse`` subparsers object."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "simulate",
-        help="simulate a fleet of engines under a trace and compare scaling policies",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``stepscale simulate``."""
+    p.epilog = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace")
     src.add_argument("--synthetic", choices=SYNTHETIC_KINDS, help="built-in synthetic load")
@@ -64,8 +62,6 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="pace the simulation at this many simulated seconds per wall second (0: flat out)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run_simulate)
-    return p
 
 
 def _traffic(args: argparse.Namespace) -> Traffic:
@@ -192,10 +188,9 @@ def _finite(d: dict[str, object]) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point: ``python -m stepscale_operator.simulate_cli ...``."""
-    parser = argparse.ArgumentParser(prog="stepscale")
-    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    parser = argparse.ArgumentParser(prog="stepscale simulate", description=SIMULATE_HELP)
+    add_simulate_arguments(parser)
+    return run_simulate(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def format_table(rows: Sequence[RunSummary], oracle_gpu_hours: dict[str, float])
     """A plain-text comparison table; GPU-hours also relative to the scenario's oracle."""
     header = (
         f"{'scenario':<22} {'policy':<8} {'SLO ok':>7} {'TTFT ok':>8} {'ITL ok':>7} "
-        f"{'TTFT p99':>9} {'ITL p99':>8} {'GPU-h':>7} {'x oracle':>8} {'scales':>6} "
+        f"{'TTFT p99 ms':>11} {'ITL p99 ms':>10} {'GPU-h':>7} {'x oracle':>8} {'scales':>6} "
         f"{'wall s':>6}"
     )
     lines = [header, "-" * len(header)]
@@ -117,7 +117,7 @@ def format_table(rows: Sequence[RunSummary], oracle_gpu_hours: dict[str, float])
         rel = r.gpu_hours / ref if ref and math.isfinite(ref) else math.nan
         lines.append(
             f"{r.scenario:<22} {r.policy:<8} {r.attainment:>7.2%} {r.ttft_attainment:>8.2%} "
-            f"{r.itl_attainment:>7.2%} {r.ttft_p99_ms:>8.0f}m {r.itl_p99_ms:>7.1f}m "
+            f"{r.itl_attainment:>7.2%} {r.ttft_p99_ms:>11.0f} {r.itl_p99_ms:>10.1f} "
             f"{r.gpu_hours:>7.2f} {rel:>8.2f} {r.scale_events:>6d} {r.wall_s:>6.1f}"
         )
     return "\n".join(lines)

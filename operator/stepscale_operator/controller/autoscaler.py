@@ -1,0 +1,270 @@
+"""One ``VllmDeployment``'s ingest, cost model, load estimate and planner.
+
+No Kubernetes here: the handlers feed it pods (:meth:`DeploymentAutoscaler.observe_pod`)
+and ask it to decide (:meth:`DeploymentAutoscaler.decide`); it owns the
+:class:`~stepscale_operator.subscriber.FpmSubscriber` that listens to every pod
+and rank.
+
+Threads: the subscriber's thread only appends received batches (with their
+arrival time) to a bounded queue; everything that touches the model (ingest,
+stream membership, predictions, snapshots) runs under one lock, on whichever
+thread the operator calls from. The model therefore has a single writer at a
+time and the planner never reads a half-updated fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stepscale_engine.rate_limited_log import RateLimitedLog
+from stepscale_engine.wire import ForwardPassMetrics
+from stepscale_operator.controller.cost_model_prior import prior_snapshot
+from stepscale_operator.controller.discovery import PodDirectory, PodView, StreamChanges
+from stepscale_operator.controller.spec import VllmDeploymentSpec
+from stepscale_operator.cost_model import CostModel
+from stepscale_operator.fpm_pipeline import DeploymentModel
+from stepscale_operator.load_estimate import LoadEstimator
+from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.planner import (
+    Decision,
+    EngineLimits,
+    Planner,
+    PlannerInputs,
+    PlannerPolicy,
+    ReplicaCounts,
+    SloTargets,
+)
+from stepscale_operator.subscriber import FpmSubscriber
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED_BATCHES = 10_000
+
+
+@dataclass(frozen=True)
+class DecisionRound:
+    """What one :meth:`DeploymentAutoscaler.decide` call saw and decided."""
+
+    decision: Decision | None  # None when autoscaling is disabled
+    load: LoadEstimate
+    cost_model_snapshot: dict[str, Any]
+    stream_health: dict[str, Any]
+    endpoints: int
+    ready: int
+    starting: int
+    ingested_messages: int
+
+
+def planner_policy(spec: VllmDeploymentSpec) -> PlannerPolicy:
+    """The planner's tunables from ``spec.autoscaling``."""
+    a = spec.autoscaling
+    return PlannerPolicy(
+        max_surge=a.max_surge,
+        scale_down_step=a.scale_down_max_step,
+        scale_down_stabilization_s=a.scale_down_stabilization_s,
+        starting_timeout_s=max(600.0, 5.0 * a.startup_s),
+        # A load estimate is made every round; it is "old" only if rounds stall.
+        max_load_age_s=max(30.0, 3.0 * a.interval_s),
+        lookahead_extra_s=a.interval_s,
+        advisory=a.advisory or not a.enabled,
+    )
+
+
+def new_cost_model(
+    spec: VllmDeploymentSpec, checkpoint: dict[str, Any] | None
+) -> tuple[CostModel, str]:
+    """A cost model restored from ``checkpoint``, else seeded from initial coefficients, else new.
+
+    Returns the model and where it came from (``checkpoint``, ``initialCoefficients``
+    or ``new``); a checkpoint that does not restore is logged and ignored.
+    """
+    cm = spec.autoscaling.cost_model
+    overrides = {
+        "half_life_passes": cm.half_life_passes,
+        "warmup_passes": cm.warmup_passes,
+        "min_samples": cm.min_samples,
+    }
+    if checkpoint:
+        try:
+            return CostModel.from_dict(checkpoint, **overrides), "checkpoint"
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("ignoring a cost model checkpoint that does not restore: %s", exc)
+    if cm.initial_coefficients:
+        snapshot = prior_snapshot(cm.initial_coefficients, **overrides)  # type: ignore[arg-type]
+        return CostModel.from_dict(snapshot, **overrides), "initialCoefficients"
+    return CostModel(**overrides), "new"  # type: ignore[arg-type]
+
+
+class DeploymentAutoscaler:
+    """Listens to a deployment's pods, learns its cost model and decides its replica count."""
+
+    def __init__(
+        self,
+        name: str,
+        spec: VllmDeploymentSpec,
+        *,
+        checkpoint: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.spec = spec
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._lock = threading.RLock()
+        self._queue: deque[tuple[float, list[ForwardPassMetrics]]] = deque()
+        self.dropped_batches = 0
+        self._rate_log = RateLimitedLog(log)
+        cost_model, self.model_origin = new_cost_model(spec, checkpoint)
+        self.model = self._new_model(spec, cost_model)
+        self.planner = Planner(planner_policy(spec))
+        self.pods = PodDirectory(spec.fpm_base_port, spec.data_parallel_size)
+        self.subscriber = FpmSubscriber(
+            self._on_batch, streams=self.model.streams, observe_streams=False, clock=clock
+        )
+        self.subscriber.start()
+
+    def _new_model(self, spec: VllmDeploymentSpec, cost_model: CostModel) -> DeploymentModel:
+        a = spec.autoscaling
+        load = LoadEstimator(window_s=a.load_window_s, stale_after_s=a.stale_after_s)
+        return DeploymentModel(self.name, cost_model=cost_model, load=load, clock=self._clock)
+
+    # -- subscriber thread -------------------------------------------------------
+
+    def _on_batch(self, msgs: list[ForwardPassMetrics]) -> None:
+        """Sink of the subscriber: queue the batch with its arrival time (never blocks)."""
+        if len(self._queue) >= MAX_QUEUED_BATCHES:
+            self.dropped_batches += 1
+            self._rate_log.warning(
+                "queue-full", "%s: FPM batches arrive faster than they are ingested", self.name
+            )
+            return
+        self._queue.append((self._clock(), msgs))
+
+    # -- operator side -----------------------------------------------------------
+
+    def reconfigure(self, spec: VllmDeploymentSpec) -> None:
+        """Apply a changed spec: planner policy, load window, FPM ports; the fit is kept."""
+        with self._lock:
+            old = self.spec
+            self.spec = spec
+            if planner_policy(old) != planner_policy(spec):
+                self.planner = Planner(planner_policy(spec))
+            a_old, a_new = old.autoscaling, spec.autoscaling
+            if (a_old.load_window_s, a_old.stale_after_s) != (
+                a_new.load_window_s,
+                a_new.stale_after_s,
+            ):
+                self.ingest()
+                keys = list(self.pods.endpoints.values())
+                self.model = self._new_model(spec, self.model.cost_model)
+                self.subscriber.streams = self.model.streams
+                for key in keys:
+                    self.model.add_stream(key)
+            if (old.fpm_base_port, old.data_parallel_size) != (
+                spec.fpm_base_port,
+                spec.data_parallel_size,
+            ):
+                self._apply(self.pods.reconfigure(spec.fpm_base_port, spec.data_parallel_size))
+
+    def observe_pod(self, pod: PodView) -> StreamChanges:
+        """A pod of this deployment was added or changed: follow its streams."""
+        with self._lock:
+            changes = self.pods.observe(pod)
+            self._apply(changes)
+            return changes
+
+    def forget_pod(self, pod_name: str) -> StreamChanges:
+        """A pod of this deployment was deleted: drop its streams."""
+        with self._lock:
+            changes = self.pods.forget(pod_name)
+            self._apply(changes)
+            return changes
+
+    def _apply(self, changes: StreamChanges) -> None:
+        for endpoint, key in changes.removed.items():
+            self.subscriber.remove_endpoint(endpoint)
+            self.model.remove_stream(key)
+        for endpoint, key in changes.added.items():
+            self.model.add_stream(key)
+            self.subscriber.add_endpoint(endpoint)
+
+    def ingest(self) -> int:
+        """Feed every queued batch to the model at its arrival time; returns messages ingested."""
+        n = 0
+        with self._lock:
+            while self._queue:
+                arrived, msgs = self._queue.popleft()
+                self.model.ingest(msgs, arrived)
+                n += len(msgs)
+        return n
+
+    def replica_counts(self, now: float) -> ReplicaCounts:
+        """Ready pods, and the start times (on this object's clock) of those still starting."""
+        wall = self._wall_clock()
+        starting = tuple(
+            now - max(0.0, wall - created) if created is not None else now
+            for created in self.pods.starting_since()
+        )
+        return ReplicaCounts(ready=self.pods.ready_count(), starting_since=starting)
+
+    def decide(self, current_replicas: int | None = None) -> DecisionRound:
+        """Ingest, estimate the load and (autoscaling enabled) ask the planner.
+
+        ``current_replicas`` is the child Deployment's replica count: pods that it
+        asked for but that do not exist yet count as starting.
+        """
+        with self._lock:
+            ingested = self.ingest()
+            now = self._clock()
+            load = self.model.estimate(now)
+            counts = self.replica_counts(now)
+            known = counts.ready + len(counts.starting_since)
+            if current_replicas is not None and current_replicas > known:
+                counts = ReplicaCounts(
+                    counts.ready, counts.starting_since + (now,) * (current_replicas - known)
+                )
+            cost_model = self.model.cost_model
+            decision: Decision | None = None
+            a = self.spec.autoscaling
+            if a.enabled:
+                mape = cost_model.quality.mape
+                inputs = PlannerInputs(
+                    predictor=cost_model,
+                    model_ready=cost_model.ready,
+                    model_mape=mape if math.isfinite(mape) else None,
+                    load=load,
+                    load_time=now,
+                    replicas=counts,
+                    slo=SloTargets(ttft_ms=a.slo.ttft_ms, itl_ms=a.slo.itl_ms),
+                    min_replicas=a.min_replicas,
+                    max_replicas=a.max_replicas,
+                    engine=EngineLimits(
+                        max_num_batched_tokens=self.spec.engine.max_num_batched_tokens,
+                        max_num_seqs=self.spec.engine.max_num_seqs,
+                        kv_capacity_tokens=self.spec.engine.kv_capacity_tokens,
+                    ),
+                    pod_startup_s=a.startup_s,
+                )
+                decision = self.planner.decide(inputs, now)
+            return DecisionRound(
+                decision=decision,
+                load=load,
+                cost_model_snapshot=cost_model.to_dict(),
+                stream_health=self.model.streams.health(now, per_stream=False),
+                endpoints=len(self.pods.endpoints),
+                ready=counts.ready,
+                starting=len(counts.starting_since),
+                ingested_messages=ingested,
+            )
+
+    def close(self) -> None:
+        """Stop listening."""
+        self.subscriber.close()

@@ -1,0 +1,98 @@
+"""The few Kubernetes API calls the controller makes (the ``kubernetes`` client).
+
+Kopf itself watches ``VllmDeployment`` objects and pods, patches their status
+and posts events; this module only reads and applies the child objects:
+
+* apply (server-side apply, field manager ``stepscale-operator``, forced) a
+  Deployment or Service; when the object does not exist and the server does
+  not create it on apply (an emulator), create it;
+* read a Deployment.
+
+Exactly these verbs are what the chart's ClusterRole grants on
+``deployments`` and ``services``: get, create, patch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from stepscale_operator.controller.children import FIELD_MANAGER
+
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+
+
+def api_client_from_environment(host: str | None = None) -> client.ApiClient:
+    """An API client: ``host`` if given (tests), else in-cluster, else the kubeconfig."""
+    if host is not None:
+        configuration = client.Configuration()
+        configuration.host = host
+        return client.ApiClient(configuration)
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+    else:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+class KubernetesApi:
+    """Reads and applies the child objects of ``VllmDeployment`` objects."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.api_client = api_client
+        self.apps = client.AppsV1Api(api_client)
+        self.core = client.CoreV1Api(api_client)
+
+    def apply(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply of a Deployment or Service; returns the object as stored."""
+        kind = body["kind"]
+        name = body["metadata"]["name"]
+        namespace = body["metadata"]["namespace"]
+        patch: Any
+        create: Any
+        if kind == "Deployment":
+            patch = self.apps.patch_namespaced_deployment
+            create = self.apps.create_namespaced_deployment
+        elif kind == "Service":
+            patch = self.core.patch_namespaced_service
+            create = self.core.create_namespaced_service
+        else:
+            raise ValueError(f"cannot apply a {kind}")
+        try:
+            response = patch(
+                name,
+                namespace,
+                body,
+                field_manager=FIELD_MANAGER,
+                force=True,
+                _content_type=APPLY_CONTENT_TYPE,
+                _preload_content=False,
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            response = create(namespace, body, field_manager=FIELD_MANAGER, _preload_content=False)
+        return _json(response)
+
+    def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Deployment ``namespace/name``, or None when it does not exist."""
+        try:
+            response = self.apps.read_namespaced_deployment(name, namespace, _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return _json(response)
+
+    def close(self) -> None:
+        """Release the client's connection pool."""
+        self.api_client.close()
+
+
+def _json(response: Any) -> dict[str, Any]:
+    data = json.loads(response.data or b"{}")
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,169 @@
+"""The operator's own Prometheus metrics, declared once in :data:`METRICS`.
+
+Observation code never creates a metric: it looks one up by name
+(:meth:`OperatorMetrics.counter`, :meth:`~OperatorMetrics.gauge`,
+:meth:`~OperatorMetrics.histogram`). Counters are totals (``_total``), gauges
+current values; units are in the names; every series carries ``deployment``
+(``namespace/name``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: name, type, help text, labels and (histograms) buckets."""
+
+    name: str
+    kind: str  # "counter", "gauge" or "histogram"
+    help: str
+    labels: tuple[str, ...] = ("deployment",)
+    buckets: tuple[float, ...] = ()
+
+
+D = ("deployment",)
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "stepscale_fpm_messages_total", "counter", "FPM messages accepted, heartbeats included"
+    ),
+    MetricSpec("stepscale_fpm_passes_total", "counter", "Forward passes received"),
+    MetricSpec(
+        "stepscale_fpm_lost_messages_total", "counter", "Messages missing from sequence gaps"
+    ),
+    MetricSpec("stepscale_fpm_stream_restarts_total", "counter", "Publisher restarts seen"),
+    MetricSpec(
+        "stepscale_fpm_malformed_total",
+        "counter",
+        "FPM frames rejected as malformed, by reason",
+        (*D, "reason"),
+    ),
+    MetricSpec(
+        "stepscale_fpm_dropped_batches_total",
+        "counter",
+        "Received batches dropped because the operator fell behind",
+    ),
+    MetricSpec("stepscale_fpm_streams", "gauge", "FPM streams by state", (*D, "state")),
+    MetricSpec("stepscale_fpm_endpoints", "gauge", "FPM endpoints subscribed to"),
+    MetricSpec(
+        "stepscale_cost_model_coefficient_seconds",
+        "gauge",
+        "Fitted step-time coefficient, seconds per unit of its feature",
+        (*D, "coefficient", "per"),
+    ),
+    MetricSpec(
+        "stepscale_cost_model_mape_ratio",
+        "gauge",
+        "Prequential mean absolute percentage error of the step-time model (0.05 = 5%)",
+    ),
+    MetricSpec("stepscale_cost_model_r2_ratio", "gauge", "Prequential R^2 of the step-time model"),
+    MetricSpec("stepscale_cost_model_samples", "gauge", "Passes the step-time model learned"),
+    MetricSpec("stepscale_cost_model_ready", "gauge", "1 when the step-time model is trusted"),
+    MetricSpec(
+        "stepscale_load_tokens_per_second",
+        "gauge",
+        "Measured load, tokens per second, by kind (prefill, prefill_cached, decode)",
+        (*D, "kind"),
+    ),
+    MetricSpec(
+        "stepscale_predicted_ttft_seconds",
+        "gauge",
+        "Predicted time to first token at the planning quantile, at current or desired replicas",
+        (*D, "replicas"),
+    ),
+    MetricSpec(
+        "stepscale_predicted_itl_seconds",
+        "gauge",
+        "Predicted inter-token latency at the planning quantile, at current or desired replicas",
+        (*D, "replicas"),
+    ),
+    MetricSpec(
+        "stepscale_replicas", "gauge", "Replicas by state (ready, current, desired)", (*D, "state")
+    ),
+    MetricSpec(
+        "stepscale_scaling_decisions_total",
+        "counter",
+        "Planner decisions by action (scale_up, scale_down, hold) and whether applied",
+        (*D, "action", "applied"),
+    ),
+    MetricSpec(
+        "stepscale_decision_duration_seconds",
+        "histogram",
+        "Time to ingest, estimate and decide once",
+        D,
+        (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+    ),
+    MetricSpec("stepscale_spec_errors_total", "counter", "Reconciles refused for an invalid spec"),
+    MetricSpec(
+        "stepscale_kubernetes_api_errors_total",
+        "counter",
+        "Kubernetes API calls that failed, by operation",
+        (*D, "operation"),
+    ),
+)
+
+_KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+
+
+class OperatorMetrics:
+    """The metrics of :data:`METRICS`, registered on one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._by_name: dict[str, Counter | Gauge | Histogram] = {}
+        for spec in METRICS:
+            cls = _KINDS[spec.kind]
+            # prometheus-client adds "_total" to counters itself.
+            name = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
+            if spec.kind == "histogram":
+                metric: Counter | Gauge | Histogram = Histogram(
+                    name, spec.help, spec.labels, registry=self.registry, buckets=spec.buckets
+                )
+            else:
+                metric = cls(name, spec.help, spec.labels, registry=self.registry)
+            self._by_name[spec.name] = metric
+
+    def _get(self, name: str, kind: type) -> Counter | Gauge | Histogram:
+        metric = self._by_name.get(name)
+        if metric is None or not isinstance(metric, kind):
+            raise KeyError(f"{name} is not a declared {kind.__name__.lower()} (see METRICS)")
+        return metric
+
+    def counter(self, name: str) -> Counter:
+        """The declared counter ``name``."""
+        metric = self._get(name, Counter)
+        assert isinstance(metric, Counter)
+        return metric
+
+    def gauge(self, name: str) -> Gauge:
+        """The declared gauge ``name``."""
+        metric = self._get(name, Gauge)
+        assert isinstance(metric, Gauge)
+        return metric
+
+    def histogram(self, name: str) -> Histogram:
+        """The declared histogram ``name``."""
+        metric = self._get(name, Histogram)
+        assert isinstance(metric, Histogram)
+        return metric
+
+    def forget(self, deployment: str) -> None:
+        """Remove every series of ``deployment`` (it was deleted)."""
+        for spec in METRICS:
+            metric = self._by_name[spec.name]
+            for labels in list(_series_labels(metric)):
+                if labels.get("deployment") == deployment:
+                    metric.remove(*[labels[name] for name in spec.labels])
+
+
+def _series_labels(metric: Counter | Gauge | Histogram) -> list[dict[str, str]]:
+    seen: list[dict[str, str]] = []
+    for family in metric.collect():
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k not in ("le",)}
+            if labels not in seen:
+                seen.append(labels)
+    return seen

@@ -1,0 +1,336 @@
+"""The ``VllmDeployment`` status, built from the core's state (pure).
+
+Every field written here is declared in the CRD's status schema (a real API
+server prunes undeclared fields; ``tests/operator/test_crd.py`` checks that
+nothing would be pruned). The result is a JSON merge patch: ``None`` inside an
+object clears a field that no longer applies (e.g. predictions while holding on
+missing data); list items never hold ``None``.
+
+Conditions follow the Kubernetes convention (``type``, ``status``, ``reason``,
+``message``, ``lastTransitionTime``, ``observedGeneration``); the transition time
+only moves when the status of a condition changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.planner import Decision, LatencyPrediction
+
+CONDITION_TYPES = ("MetricsFresh", "ModelReady", "ScalingActive", "Degraded")
+CHECKPOINT_KEY = "checkpoint"
+
+
+def rfc3339(wall_s: float) -> str:
+    """``2026-01-02T03:04:05Z`` for seconds since the epoch."""
+    return datetime.datetime.fromtimestamp(wall_s, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def finite(value: object, digits: int = 6) -> float | None:
+    """A rounded finite float, or None for NaN/inf/None/non-numbers."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    f = float(value)
+    return round(f, digits) if math.isfinite(f) else None
+
+
+def json_clean(value: Any) -> Any:
+    """Non-finite floats to None; list items lose their None fields (objects keep them)."""
+    if isinstance(value, Mapping):
+        return {str(k): json_clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_drop_none(json_clean(v)) for v in value if v is not None]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return value
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def condition(
+    ctype: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    now_wall: float,
+    generation: int | None,
+    previous: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """One condition; keeps the previous ``lastTransitionTime`` when the status did not change."""
+    status = "True" if ok else "False"
+    since = rfc3339(now_wall)
+    for old in previous:
+        if (
+            old.get("type") == ctype
+            and old.get("status") == status
+            and old.get("lastTransitionTime")
+        ):
+            since = str(old["lastTransitionTime"])
+    cond: dict[str, Any] = {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message[:1024],
+        "lastTransitionTime": since,
+    }
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def cost_model_status(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """``status.costModel`` from :meth:`CostModel.to_dict`, which is kept as the checkpoint."""
+    quality = snapshot.get("quality") or {}
+    regimes = snapshot.get("regime_samples") or {}
+    mape = finite(quality.get("mape"))
+    updated = snapshot.get("updated_at")
+    return {
+        "ready": bool(snapshot.get("ready", False)),
+        "formula": str(snapshot.get("formula", "")),
+        "coefficients": [
+            {
+                "name": c.get("name"),
+                "unit": c.get("unit"),
+                "featureUnit": c.get("feature_unit"),
+                "value": finite(c.get("value"), 12),
+                "stdError": finite(c.get("std_error"), 12),
+            }
+            for c in snapshot.get("coefficients", [])
+        ],
+        "r2": finite(quality.get("r2")),
+        "mape": mape,
+        "mapePercent": None if mape is None else round(100.0 * mape, 2),
+        "medianApe": finite(quality.get("median_ape")),
+        "p90Ape": finite(quality.get("p90_ape")),
+        "window": quality.get("window"),
+        "samples": int(snapshot.get("samples", 0) or 0),
+        "effectiveSamples": finite(quality.get("effective_samples"), 2),
+        "regimeSamples": {
+            "prefillOnly": int(regimes.get("prefill_only", 0)),
+            "decodeOnly": int(regimes.get("decode_only", 0)),
+            "mixed": int(regimes.get("mixed", 0)),
+        },
+        "outliersRejected": quality.get("outliers_rejected"),
+        "updatedAt": rfc3339(float(updated)) if isinstance(updated, int | float) else None,
+        CHECKPOINT_KEY: json_clean(dict(snapshot)),
+    }
+
+
+_LOAD_FIELDS = {
+    "window_s": "windowSeconds",
+    "streams_total": "streamsTotal",
+    "streams_missing": "streamsMissing",
+    "complete": "complete",
+    "prefill_tokens_per_s": "prefillTokensPerSecond",
+    "prefill_cached_tokens_per_s": "prefillCachedTokensPerSecond",
+    "prefill_requests_per_s": "prefillRequestsPerSecond",
+    "decode_tokens_per_s": "decodeTokensPerSecond",
+    "mean_prompt_tokens": "meanPromptTokens",
+    "mean_decode_context_tokens": "meanDecodeContextTokens",
+    "prefix_cache_hit_fraction": "prefixCacheHitFraction",
+    "queued_prefill_requests": "queuedPrefillRequests",
+    "queued_prefill_tokens": "queuedPrefillTokens",
+    "queued_decode_requests": "queuedDecodeRequests",
+    "prefill_tokens_per_s_trend": "prefillTokensPerSecondTrend",
+    "decode_tokens_per_s_trend": "decodeTokensPerSecondTrend",
+    "busy_fraction": "busyFraction",
+}
+
+
+def load_status(load: LoadEstimate | None) -> dict[str, Any] | None:
+    """``status.load`` (camelCase, rounded)."""
+    if load is None:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in load.to_dict().items():
+        name = _LOAD_FIELDS.get(key)
+        if name is None:
+            continue
+        if isinstance(value, bool | int):
+            out[name] = value
+        else:
+            out[name] = finite(value, 3)
+    return out
+
+
+def prediction_status(pred: LatencyPrediction | None) -> dict[str, Any] | None:
+    """One prediction; latencies are None (absent) when the replicas would be overloaded."""
+    if pred is None:
+        return None
+    return {
+        "replicas": pred.replicas,
+        "ttftMs": finite(pred.ttft_ms, 2),
+        "itlMs": finite(pred.itl_ms, 3),
+        "ttftMeanMs": finite(pred.ttft_mean_ms, 2),
+        "itlMeanMs": finite(pred.itl_mean_ms, 3),
+        "stepTimeMs": finite(pred.step_time_ms, 3),
+        "decodeBatch": finite(pred.decode_batch, 2),
+        "prefillUtilisation": finite(pred.prefill_utilisation, 4),
+        "bottleneck": pred.bottleneck,
+    }
+
+
+def decision_status(decision: Decision, wall_s: float, applied: bool) -> dict[str, Any]:
+    """``status.lastDecision``: time, from, to, action, whether applied, reason, confidence."""
+    return {
+        "time": rfc3339(wall_s),
+        "action": decision.action,
+        "from": decision.current_replicas,
+        "to": decision.desired_replicas,
+        "applied": applied,
+        "reason": decision.reason[:1024],
+        "confidence": finite(decision.confidence, 4),
+    }
+
+
+def stream_status(health: Mapping[str, Any], endpoints: int) -> dict[str, Any]:
+    """``status.streams`` from :meth:`StreamTable.health`."""
+    stale = list(health.get("stale", []))
+    rejected = {str(k): int(v) for k, v in dict(health.get("rejected", {})).items()}
+    return {
+        "endpoints": endpoints,
+        "total": int(health.get("streams", 0)),
+        "connected": int(health.get("fresh", 0)),
+        "stale": len(stale),
+        "staleStreams": stale[:32],
+        "messages": int(health.get("messages", 0)),
+        "passes": int(health.get("passes", 0)),
+        "heartbeats": int(health.get("heartbeats", 0)),
+        "gaps": int(health.get("lost", 0)),
+        "restarts": int(health.get("restarts", 0)),
+        "duplicates": int(health.get("duplicates", 0)),
+        "malformed": sum(rejected.values()),
+        "malformedByReason": rejected,
+    }
+
+
+def build_conditions(
+    *,
+    now_wall: float,
+    generation: int | None,
+    previous: Sequence[Mapping[str, Any]],
+    problems: Sequence[str],
+    mode: str,
+    load: LoadEstimate | None,
+    model_ready: bool,
+    samples: int,
+    min_samples: int,
+    mape: float | None,
+    api_error: str | None = None,
+) -> list[dict[str, Any]]:
+    """The four conditions: MetricsFresh, ModelReady, ScalingActive, Degraded."""
+
+    def cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+        return condition(ctype, ok, reason, message, now_wall, generation, previous)
+
+    if load is None or load.streams_total == 0:
+        fresh = cond("MetricsFresh", False, "NoStreams", "no Ready pod publishes FPM yet")
+    elif load.complete:
+        fresh = cond(
+            "MetricsFresh", True, "AllStreamsFresh", f"{load.streams_total} streams report"
+        )
+    else:
+        fresh = cond(
+            "MetricsFresh",
+            False,
+            "StreamsStale",
+            f"{load.streams_missing} of {load.streams_total} streams are silent or missing; "
+            "holding the replica count",
+        )
+    if model_ready:
+        mape_text = "" if mape is None else f", MAPE {100 * mape:.1f}%"
+        model = cond("ModelReady", True, "Fitted", f"{samples} passes learned{mape_text}")
+    else:
+        model = cond(
+            "ModelReady",
+            False,
+            "Learning",
+            f"{samples} of {min_samples} passes learned; scaling on queue length until then",
+        )
+    if problems:
+        active = cond("ScalingActive", False, "InvalidSpec", "the spec is invalid (see Degraded)")
+        degraded = cond("Degraded", True, "InvalidSpec", "; ".join(problems))
+    else:
+        if mode == "disabled":
+            active = cond("ScalingActive", False, "Disabled", "autoscaling.enabled is false")
+        elif mode == "advisory":
+            active = cond(
+                "ScalingActive", False, "Advisory", "decisions are recorded, never applied"
+            )
+        elif fresh["status"] != "True":
+            active = cond("ScalingActive", False, "HoldingOnMissingData", fresh["message"])
+        else:
+            active = cond("ScalingActive", True, "Scaling", "the planner sets the replica count")
+        if api_error:
+            degraded = cond("Degraded", True, "KubernetesApiError", api_error)
+        else:
+            degraded = cond("Degraded", False, "AsExpected", "")
+    return [fresh, model, active, degraded]
+
+
+def build_status(
+    *,
+    now_wall: float,
+    generation: int | None,
+    selector: str,
+    mode: str,
+    replicas: int,
+    ready_replicas: int,
+    desired_replicas: int,
+    conditions: list[dict[str, Any]],
+    cost_model_snapshot: Mapping[str, Any] | None,
+    load: LoadEstimate | None,
+    decision: Decision | None,
+    decision_applied: bool,
+    last_scaling: Mapping[str, Any] | None,
+    stream_health: Mapping[str, Any] | None,
+    endpoints: int,
+) -> dict[str, Any]:
+    """The whole status as a merge patch (see the module docstring)."""
+    last_decision = (
+        decision_status(decision, now_wall, decision_applied) if decision is not None else None
+    )
+    if last_decision is not None and decision is not None and decision.action != "hold":
+        last_scaling = last_decision
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "replicas": replicas,
+        "readyReplicas": ready_replicas,
+        "desiredReplicas": desired_replicas,
+        "selector": selector,
+        "mode": mode,
+        "conditions": conditions,
+        "costModel": (
+            cost_model_status(cost_model_snapshot) if cost_model_snapshot is not None else None
+        ),
+        "load": load_status(load),
+        "predictions": {
+            "current": prediction_status(decision.predicted_current if decision else None),
+            "desired": prediction_status(decision.predicted_desired if decision else None),
+        },
+        "lastDecision": last_decision,
+        "lastScaling": dict(last_scaling) if last_scaling else None,
+        "streams": stream_status(stream_health or {}, endpoints),
+        "updatedAt": rfc3339(now_wall),
+    }
+    cleaned: dict[str, Any] = json_clean(status)
+    return cleaned
+
+
+def checkpoint_from_status(status: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The cost-model checkpoint saved in ``status.costModel``, if any (warm restart)."""
+    if not isinstance(status, Mapping):
+        return None
+    cm = status.get("costModel")
+    if not isinstance(cm, Mapping):
+        return None
+    checkpoint = cm.get(CHECKPOINT_KEY)
+    return dict(checkpoint) if isinstance(checkpoint, Mapping) else None

@@ -1,0 +1,331 @@
+"""Status builder and the CRD: nothing the operator writes would be pruned by a real API server.
+
+A real API server prunes fields that the structural schema does not declare;
+kmock does not, so :func:`pruned` emulates pruning here (properties,
+additionalProperties, items, x-kubernetes-preserve-unknown-fields) and the
+status built from a real, fitted core must come through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics
+from stepscale_operator.controller.autoscaler import new_cost_model, planner_policy
+from stepscale_operator.controller.metrics import METRICS, OperatorMetrics
+from stepscale_operator.controller.spec import parse_spec
+from stepscale_operator.controller.status import (
+    build_conditions,
+    build_status,
+    checkpoint_from_status,
+    condition,
+)
+from stepscale_operator.cost_model import CostModel
+from stepscale_operator.fpm_pipeline import DeploymentModel
+from stepscale_operator.planner import (
+    EngineLimits,
+    Planner,
+    PlannerInputs,
+    ReplicaCounts,
+    SloTargets,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_PATH = REPO / "crds" / "vllmdeployment.yaml"
+
+
+def crd() -> dict[str, Any]:
+    return dict(yaml.safe_load(CRD_PATH.read_text()))
+
+
+def schema() -> dict[str, Any]:
+    return dict(crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+def pruned(value: Any, node: dict[str, Any]) -> Any:
+    """``value`` as a structural-schema API server would store it (unknown fields dropped)."""
+    if node.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict):
+        props = node.get("properties")
+        extra = node.get("additionalProperties")
+        out = {}
+        for k, v in value.items():
+            if props is not None and k in props:
+                out[k] = pruned(v, props[k])
+            elif isinstance(extra, dict):
+                out[k] = pruned(v, extra)
+        return out
+    if isinstance(value, list):
+        return [pruned(v, node.get("items", {})) for v in value]
+    return value
+
+
+def types_ok(value: Any, node: dict[str, Any], path: str = "") -> list[str]:
+    """Type mismatches against the schema (numbers, integers, strings, booleans)."""
+    t = node.get("type")
+    problems: list[str] = []
+    if value is None:
+        return problems  # a merge patch's null: the field is removed
+    expected = {
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        "string": lambda v: isinstance(v, str),
+        "boolean": lambda v: isinstance(v, bool),
+        "object": lambda v: isinstance(v, dict),
+        "array": lambda v: isinstance(v, list),
+    }
+    if t in expected and not expected[t](value):
+        problems.append(f"{path}: {value!r} is not {t}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            sub = (node.get("properties") or {}).get(k) or node.get("additionalProperties")
+            if isinstance(sub, dict):
+                problems += types_ok(v, sub, f"{path}.{k}")
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            problems += types_ok(v, node.get("items", {}), f"{path}[{i}]")
+    return problems
+
+
+def drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_nulls(v) for v in value]
+    return value
+
+
+def fitted_status(planner_ready: bool = True) -> dict[str, Any]:
+    """A status from a real core that learned a few hundred passes and decided."""
+    spec = parse_spec(
+        {"model": "m", "image": "i", "autoscaling": {"costModel": {"minSamples": 50}}}
+    )
+    model = DeploymentModel("ns/x", cost_model=CostModel(min_samples=50, warmup_passes=2))
+    rng = np.random.default_rng(0)
+    msgs = []
+    for i in range(400):
+        b = int(rng.integers(1, 64))
+        c = int(rng.integers(0, 512)) if i % 3 == 0 else 0
+        wall = 0.004 + 0.0003 * b + 2e-5 * c
+        msgs.append(
+            ForwardPassMetrics(
+                worker_id="pod-0",
+                counter_id=i,
+                wall_time=wall,
+                scheduled_requests=ScheduledRequestMetrics(
+                    num_prefill_requests=1 if c else 0,
+                    sum_prefill_tokens=c,
+                    num_decode_requests=b,
+                    sum_decode_kv_tokens=b * 900,
+                ),
+            )
+        )
+    model.add_stream(("pod-0", 0))
+    model.ingest(msgs, now=100.0)
+    load = model.estimate(100.5)
+    decision = Planner(planner_policy(spec)).decide(
+        PlannerInputs(
+            predictor=model.cost_model,
+            model_ready=model.cost_model.ready,
+            model_mape=model.cost_model.quality.mape,
+            load=load,
+            load_time=100.5,
+            replicas=ReplicaCounts(ready=1),
+            slo=SloTargets(1000, 50),
+            min_replicas=1,
+            max_replicas=8,
+            engine=EngineLimits(),
+            pod_startup_s=60,
+        ),
+        100.5,
+    )
+    conditions = build_conditions(
+        now_wall=1.7e9,
+        generation=3,
+        previous=[],
+        problems=(),
+        mode="auto",
+        load=load,
+        model_ready=model.cost_model.ready,
+        samples=model.cost_model.samples,
+        min_samples=50,
+        mape=model.cost_model.quality.mape,
+    )
+    return build_status(
+        now_wall=1.7e9,
+        generation=3,
+        selector="stepscale.io/vllmdeployment=x",
+        mode="auto",
+        replicas=1,
+        ready_replicas=1,
+        desired_replicas=decision.desired_replicas,
+        conditions=conditions,
+        cost_model_snapshot=model.cost_model.to_dict(),
+        load=load,
+        decision=decision,
+        decision_applied=decision.apply,
+        last_scaling=None,
+        stream_health={
+            **model.streams.health(100.5, per_stream=False),
+            "rejected": {"schema": 2},
+        },
+        endpoints=1,
+    )
+
+
+def test_status_is_json_and_nothing_would_be_pruned() -> None:
+    status = fitted_status()
+    json.dumps(status, allow_nan=False)
+    stored = drop_nulls(status)
+    status_schema = schema()["properties"]["status"]
+    assert pruned(stored, status_schema) == stored
+    assert types_ok(stored, status_schema) == []
+    assert stored["costModel"]["ready"] is True
+    assert stored["streams"]["malformed"] == 2
+    assert {c["type"] for c in stored["conditions"]} == {
+        "MetricsFresh",
+        "ModelReady",
+        "ScalingActive",
+        "Degraded",
+    }
+
+
+def test_checkpoint_in_status_warm_starts_the_same_model() -> None:
+    status = drop_nulls(fitted_status())
+    checkpoint = checkpoint_from_status(status)
+    assert checkpoint is not None
+    spec = parse_spec(
+        {"model": "m", "image": "i", "autoscaling": {"costModel": {"minSamples": 50}}}
+    )
+    model, origin = new_cost_model(spec, checkpoint)
+    assert origin == "checkpoint" and model.ready
+    saved = {c["name"]: c.get("value", 0.0) for c in status["costModel"]["coefficients"]}
+    for name, value in model.coefficients.items():
+        assert value == pytest.approx(saved.get(name, 0.0), rel=0.05, abs=1e-7)
+
+
+def test_a_broken_checkpoint_is_ignored_not_fatal() -> None:
+    spec = parse_spec({"model": "m", "image": "i"})
+    model, origin = new_cost_model(spec, {"schema": "something else"})
+    assert origin == "new" and not model.ready
+
+
+def test_initial_coefficients_seed_predictions_but_not_readiness() -> None:
+    spec = parse_spec(
+        {
+            "model": "m",
+            "image": "i",
+            "autoscaling": {
+                "costModel": {"initialCoefficients": {"intercept": 0.005, "decodeRequests": 0.0002}}
+            },
+        }
+    )
+    model, origin = new_cost_model(spec, None)
+    assert origin == "initialCoefficients" and not model.ready
+    pred = model.predict(ScheduledRequestMetrics(num_decode_requests=10))
+    assert pred == pytest.approx(0.005 + 10 * 0.0002, rel=0.02)
+
+
+def test_conditions_keep_their_transition_time() -> None:
+    first = condition("ModelReady", True, "Fitted", "", 1000.0, 1)
+    again = condition("ModelReady", True, "Fitted", "", 2000.0, 1, [first])
+    flipped = condition("ModelReady", False, "Learning", "", 3000.0, 1, [again])
+    assert again["lastTransitionTime"] == first["lastTransitionTime"]
+    assert flipped["lastTransitionTime"] != first["lastTransitionTime"]
+
+
+def test_invalid_spec_conditions_are_degraded() -> None:
+    conds = build_conditions(
+        now_wall=0.0,
+        generation=1,
+        previous=[],
+        problems=["spec: fix it"],
+        mode="auto",
+        load=None,
+        model_ready=False,
+        samples=0,
+        min_samples=200,
+        mape=None,
+    )
+    by_type = {c["type"]: c for c in conds}
+    assert by_type["Degraded"]["status"] == "True"
+    assert by_type["Degraded"]["message"] == "spec: fix it"
+    assert by_type["ScalingActive"]["reason"] == "InvalidSpec"
+
+
+def test_crd_shape() -> None:
+    doc = crd()
+    version = doc["spec"]["versions"][0]
+    assert doc["spec"]["names"]["shortNames"] == ["vd"]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert "status" in version["subresources"]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    for path in columns.values():
+        if path.startswith(".status"):
+            node = schema()
+            for part in path.strip(".").split("."):
+                node = node["properties"][part]
+    assert set(columns) >= {"Replicas", "Ready", "Desired", "TTFT(ms)", "ITL(ms)", "MAPE(%)", "Age"}
+    rules = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"]
+    from stepscale_operator.controller import spec as spec_module
+
+    messages = {r["message"] for r in rules}
+    for name in (
+        "MSG_MIN_MAX",
+        "MSG_GPUS",
+        "MSG_PORT_OVERLAP",
+        "MSG_PORT_RANGE",
+        "MSG_SEQS_TOKENS",
+        "MSG_RESERVED_ENV",
+    ):
+        assert getattr(spec_module, name) in messages, name
+
+
+def test_crd_spec_defaults_are_the_parser_defaults() -> None:
+    """Apply the CRD's defaults to an empty spec; the parser must see no difference."""
+
+    def defaults(node: dict[str, Any]) -> Any:
+        if node.get("type") == "object" and "properties" in node:
+            out = dict(node.get("default", {}))
+            for k, sub in node["properties"].items():
+                d = defaults(sub)
+                if d is not None and (k in out or "default" in sub):
+                    out[k] = d
+            return out if ("default" in node or out) else None
+        return node.get("default")
+
+    spec_schema = schema()["properties"]["spec"]
+    defaulted = {**defaults(spec_schema), "model": "m", "image": "i"}
+    assert parse_spec(defaulted) == parse_spec({"model": "m", "image": "i"})
+
+
+def test_metrics_are_declared_once_with_units_and_deployment_label() -> None:
+    names = [m.name for m in METRICS]
+    assert len(names) == len(set(names))
+    for m in METRICS:
+        assert "deployment" in m.labels
+        if m.kind == "counter":
+            assert m.name.endswith("_total")
+        else:
+            assert not m.name.endswith("_total")
+    metrics = OperatorMetrics()
+    metrics.counter("stepscale_fpm_messages_total").labels("ns/x").inc(3)
+    metrics.gauge("stepscale_fpm_streams").labels("ns/x", "fresh").set(2)
+    with pytest.raises(KeyError):
+        metrics.counter("stepscale_not_declared_total")
+    metrics.forget("ns/x")
+    samples = [s for f in metrics.registry.collect() for s in f.samples]
+    assert not [s for s in samples if s.labels.get("deployment") == "ns/x"]
+    assert not math.isnan(0.0)
