@@ -11,6 +11,7 @@ component works on those, so per-message Python work stays small.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,20 +56,19 @@ class PassMatrices:
         """Columns of ``msgs`` (one pass over the structs)."""
         if not msgs:
             return cls([], np.zeros((0, N_NUMERIC)))
-        numeric = np.array(
-            [
-                (
-                    m.version,
-                    m.dp_rank,
-                    m.counter_id,
-                    m.wall_time,
-                    *astuple(m.scheduled_requests),
-                    *astuple(m.queued_requests),
-                )
+        # One flat float stream into a preallocated array: about 30% faster than
+        # np.array over a list of row tuples (benchmarks/bench_ingest.py).
+        n = len(msgs)
+        numeric = np.fromiter(
+            itertools.chain.from_iterable(
+                (m.version, m.dp_rank, m.counter_id, m.wall_time)
+                + astuple(m.scheduled_requests)
+                + astuple(m.queued_requests)
                 for m in msgs
-            ],
+            ),
             dtype=np.float64,
-        )
+            count=n * N_NUMERIC,
+        ).reshape(n, N_NUMERIC)
         return cls([(m.worker_id, m.dp_rank) for m in msgs], numeric)
 
     def select(self, mask: npt.NDArray[np.bool_]) -> PassMatrices:

@@ -154,6 +154,7 @@ def test_wrong_frame_counts_are_rejected_and_stream_recovers(ctx: zmq.Context, e
     assert [m.counter_id for m in got][-5:] == list(range(4, 9))
     if exact:  # exact framing loses nothing but the malformed messages
         assert len(got) == 9
+        assert sub.stats.rejected == {"frame_count": 4}
     pub.close(0)
 
 
