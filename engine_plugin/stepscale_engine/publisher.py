@@ -28,10 +28,16 @@ from stepscale_engine.rate_limited_log import RateLimitedLog
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_CAPACITY = 10_000
-# While passes are flowing the sender polls at this interval (adds at most this
-# much delivery latency); after IDLE_AFTER_S without one it sleeps until woken.
-BUSY_POLL_S = 0.002
-IDLE_AFTER_S = 0.05
+# While passes are flowing the sender drains the queue at this interval (adds at
+# most this much delivery latency, far below any scaling decision period); after
+# IDLE_AFTER_S without a pass it sleeps until woken. Each drain is a thread
+# wake-up, and on CPU engines, whose OpenMP threads are pinned to every core, a
+# wake-up preempts the model's compute: the real vLLM CPU engine lost 10-20% of
+# its throughput with a 2-25 ms poll, 2-5% at 50-100 ms, and at 250 ms (4 wake-ups
+# a second) as little as with no wake-ups at all: on/off median ratio 0.997
+# (benchmarks/bench_engine_overhead.py). The operator decides once a second.
+BUSY_POLL_S = 0.25
+IDLE_AFTER_S = 0.6
 CLOSE_LINGER_MS = 500
 
 
