@@ -2,7 +2,7 @@
 # `vllm.general_plugins` entry point, no vLLM source change. Only msgspec and pyzmq
 # are added (vLLM already ships both).
 #   docker build -f docker/vllm.Dockerfile --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.11.0 \
-#       -t registry.example/vllm-stepscale:0.11.0 .
+#       -t ghcr.io/stepscale/vllm-openai-stepscale:v0.11.0 .
 # Not built in CI (no container runtime there).
 ARG VLLM_IMAGE=vllm/vllm-openai:latest
 FROM ${VLLM_IMAGE}

@@ -2,8 +2,9 @@
 
 Subcommands live in :data:`SUBCOMMANDS`; each is a :class:`Subcommand` naming
 how it adds its arguments and the function that runs it. To add one, write its
-two functions (import heavy dependencies inside ``run``, so that ``stepscale
-tail`` stays quick to start) and :func:`register` it at the bottom of this module.
+two functions and :func:`register` it at the bottom of this module; a subcommand
+with heavy dependencies lives in its own module, named through :func:`_on_use`,
+so that ``stepscale tail`` does not pay for them at start-up.
 
 ``stepscale tail`` is this module's own subcommand: it subscribes to one or more
 FPM publishers and prints every message as a JSON line, or a live per-stream
@@ -15,12 +16,13 @@ never fatal. Ctrl-C ends it with status 0.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 import msgspec
 import zmq
@@ -321,71 +323,40 @@ register(
 )
 
 
-def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from stepscale_operator.demo import add_demo_arguments
+def _on_use(module: str, function: str) -> Callable[[Any], Any]:
+    """``module.function``, imported at its first call: the demo, the operator and
+    the simulator pull in numpy, vLLM, kopf and kubernetes, which ``tail`` needs none of."""
 
-    add_demo_arguments(parser)
+    def call(arg: Any) -> Any:
+        return getattr(importlib.import_module(module), function)(arg)
 
-
-def _run_demo(args: argparse.Namespace) -> int:
-    # Imported on use: the demo pulls in numpy and the planner, tail needs neither.
-    from stepscale_operator.demo import run_demo
-
-    return run_demo(args)
+    return call
 
 
 register(
     Subcommand(
         name="demo",
         help="run the whole loop locally: a real vLLM CPU engine, replayed traffic, live status",
-        add_arguments=_add_demo_arguments,
-        run=_run_demo,
+        add_arguments=_on_use("stepscale_operator.demo", "add_demo_arguments"),
+        run=_on_use("stepscale_operator.demo", "run_demo"),
     )
 )
-
-
-# The operator and the simulator pull in numpy, kopf and kubernetes: imported on
-# use, so that `stepscale tail` starts quickly.
-def _add_operator_arguments(parser: argparse.ArgumentParser) -> None:
-    from stepscale_operator.controller.cli_command import add_operator_arguments
-
-    add_operator_arguments(parser)
-
-
-def _run_operator(args: argparse.Namespace) -> int:
-    from stepscale_operator.controller.cli_command import run_operator_command
-
-    return run_operator_command(args)
-
-
 register(
     Subcommand(
         name="operator",
         help="run the VllmDeployment operator (kopf) against the current cluster",
-        add_arguments=_add_operator_arguments,
-        run=_run_operator,
+        add_arguments=_on_use(
+            "stepscale_operator.controller.cli_command", "add_operator_arguments"
+        ),
+        run=_on_use("stepscale_operator.controller.cli_command", "run_operator_command"),
     )
 )
-
-
-def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    from stepscale_operator.simulate_cli import add_simulate_arguments
-
-    add_simulate_arguments(parser)
-
-
-def _run_simulate(args: argparse.Namespace) -> int:
-    from stepscale_operator.simulate_cli import run_simulate
-
-    return run_simulate(args)
-
-
 register(
     Subcommand(
         name="simulate",
         help="simulate a fleet of engines under a trace and compare scaling policies",
-        add_arguments=_add_simulate_arguments,
-        run=_run_simulate,
+        add_arguments=_on_use("stepscale_operator.simulate_cli", "add_simulate_arguments"),
+        run=_on_use("stepscale_operator.simulate_cli", "run_simulate"),
     )
 )
 
