@@ -55,6 +55,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _waiting_queues(scheduler: Any) -> list[Any]:
+    from stepscale_engine.queue_tracker import QUEUE_ATTRIBUTES
+
+    return [q for q in (getattr(scheduler, n, None) for n in QUEUE_ATTRIBUTES) if q is not None]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8, help="rounds per arm")
@@ -72,6 +78,7 @@ def main() -> int:
         args.rounds, args.requests, args.output_tokens = 3, 24, 48
 
     from stepscale_engine import plugin
+    from stepscale_engine.queue_tracker import is_tracked
     from stepscale_engine.tiny_model import build_tiny_llama
 
     port = free_port()
@@ -123,6 +130,9 @@ def main() -> int:
             on.append(run_round())
             passes += hook.passes
             hook.uninstall()
+            # The "off" arm must be vLLM alone: methods and queue classes restored.
+            if any(is_tracked(q) for q in _waiting_queues(engine_core.scheduler)):
+                raise SystemExit("uninstall left a tracked queue: the off arm would pay for it")
             if not i % 2:
                 off.append(run_round())
     finally:

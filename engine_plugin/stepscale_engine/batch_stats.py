@@ -19,20 +19,10 @@ request.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from stepscale_engine.wire import ScheduledRequestMetrics
-
-
-class _RequestLike(Protocol):
-    num_prompt_tokens: int
-
-    @property
-    def num_tokens(self) -> int: ...
-
-
-RequestLookup = Callable[[str], Any]
 
 
 def population_variance(total: float, total_sq: float, count: int) -> float:

@@ -16,7 +16,9 @@ instance methods, so it works with any scheduler class the user configures:
 Both engine loops (``step`` and ``step_with_batch_queue``) go through these
 four calls, so both are covered. Any exception inside the hook is counted and
 logged (rate-limited) and the engine call proceeds untouched; after repeated
-failures the hook turns itself off.
+failures the hook turns itself off: it restores the engine's methods and queues
+and stops the publisher, heartbeats included, so that no subscriber mistakes a
+busy engine whose hook broke for an idle one.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from stepscale_engine.pass_timer import PassTimer, PassTiming
 from stepscale_engine.publisher import FpmPublisher
 from stepscale_engine.queue_tracker import QueueTracker
 from stepscale_engine.rate_limited_log import RateLimitedLog
+from stepscale_engine.vllm_compat import vllm_version
 from stepscale_engine.wire import QueuedRequestMetrics, ScheduledRequestMetrics
 
 log = logging.getLogger(__name__)
@@ -84,52 +87,88 @@ class EngineHook:
         self._previous_done = 0.0
         self._rate_log = RateLimitedLog(log)
         self._originals: dict[tuple[int, str], Any] = {}
-        self._wrap(scheduler, "schedule", self._schedule)
-        self._wrap(scheduler, "update_from_output", self._update_from_output)
-        self._wrap(model_executor, "execute_model", self._execute_model)
-        if hasattr(model_executor, "sample_tokens"):
-            self._wrap(model_executor, "sample_tokens", self._sample_tokens)
+        # Names each object had in its own __dict__ before wrapping (else: a class method).
+        self._own_attributes: set[tuple[int, str]] = set()
+        try:
+            self._wrap(scheduler, "schedule", self._schedule)
+            self._wrap(scheduler, "update_from_output", self._update_from_output)
+            self._wrap(model_executor, "execute_model", self._execute_model)
+            if hasattr(model_executor, "sample_tokens"):
+                self._wrap(model_executor, "sample_tokens", self._sample_tokens)
+        except BaseException:
+            self._detach()  # never leave the engine half-wrapped
+            raise
 
     # -- installation ----------------------------------------------------------
 
     def _wrap(self, obj: Any, name: str, wrapper: Any) -> None:
         self._originals[(id(obj), name)] = getattr(obj, name)
+        if name in getattr(obj, "__dict__", {}):
+            self._own_attributes.add((id(obj), name))
         setattr(obj, name, wrapper)
 
     def uninstall(self) -> None:
-        """Restore the engine's own methods and stop publishing."""
+        """Restore the engine's own methods and queue classes, and stop publishing."""
+        self._detach()
+        self.publisher.close()
+
+    def _detach(self) -> None:
+        """Put the engine back as it was before the hook: methods, then queues."""
+        self.enabled = False
         for obj in (self.scheduler, self.model_executor):
             for name in (*REQUIRED_SCHEDULER_METHODS, *REQUIRED_EXECUTOR_METHODS, "sample_tokens"):
-                if (id(obj), name) in self._originals:
-                    setattr(obj, name, self._originals[(id(obj), name)])
-        self.enabled = False
-        self.publisher.close()
+                key = (id(obj), name)
+                if key not in self._originals:
+                    continue
+                if key in self._own_attributes:
+                    setattr(obj, name, self._originals[key])
+                elif name in getattr(obj, "__dict__", {}):
+                    delattr(obj, name)  # the class's own method shows through again
+        self.queue_tracker.detach()
 
     def _failed(self, where: str, exc: BaseException) -> None:
         self.errors += 1
         self._consecutive_errors += 1
         self._rate_log.warning(where, "Stepscale FPM hook error in %s: %r", where, exc)
-        if self._consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
-            log.error(
-                "Stepscale FPM hook disabled after %d consecutive errors", self._consecutive_errors
+        if self._consecutive_errors >= MAX_CONSECUTIVE_ERRORS and self.enabled:
+            self._disable(
+                f"{self._consecutive_errors} consecutive errors, the last in {where}: {exc!r}"
             )
-            self.enabled = False
+
+    def _disable(self, reason: str) -> None:
+        """Turn the hook off for good, without ever stalling the engine thread."""
+        log.warning(
+            "Stepscale FPM disabled on vLLM %s after %s; this engine stops publishing"
+            " (no more heartbeats either)",
+            vllm_version(),
+            reason,
+        )
+        try:
+            self._detach()
+        finally:
+            # Signal the sender to drain and close, without waiting for it here.
+            self.publisher.close(timeout_s=0.0)
 
     # -- wrapped calls -----------------------------------------------------------
 
     def _schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = self._originals[(id(self.scheduler), "schedule")](*args, **kwargs)
-        if self.enabled and output.total_num_scheduled_tokens > 0:
+        if self.enabled:
             try:
-                if len(self._pending) >= MAX_PENDING_BATCHES:
-                    self._pending.pop(next(iter(self._pending)))
-                self._pending[id(output)] = PendingPass(
-                    scheduled=scheduled_metrics(output, self.scheduler.requests),
-                    queued=self.queue_tracker.metrics(),
-                )
+                self._on_scheduled(output)
             except Exception as exc:  # noqa: BLE001 - never break the engine
                 self._failed("schedule", exc)
         return output
+
+    def _on_scheduled(self, output: Any) -> None:
+        if output.total_num_scheduled_tokens <= 0:
+            return  # nothing runs: no pass, no message
+        if len(self._pending) >= MAX_PENDING_BATCHES:
+            self._pending.pop(next(iter(self._pending)))
+        self._pending[id(output)] = PendingPass(
+            scheduled=scheduled_metrics(output, self.scheduler.requests),
+            queued=self.queue_tracker.metrics(),
+        )
 
     def _execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         pending = self._pending.get(id(scheduler_output)) if self.enabled else None
@@ -164,11 +203,13 @@ class EngineHook:
             try:
                 # Output is in hand: the latest possible completion time.
                 pending.timing.mark_done()
-                wall_time, self._previous_done = pending.timing.elapsed_s(self._previous_done)
+                elapsed = pending.timing.elapsed_s(self._previous_done)
+                self._previous_done = elapsed.done_at
                 if pending in self._awaiting_sample:  # executed without a sampling call
                     self._awaiting_sample.remove(pending)
+                # The scope of this pass: what was actually measured for it.
                 self.publisher.publish(
-                    wall_time, pending.scheduled, pending.queued, self.timer.scope
+                    elapsed.wall_time_s, pending.scheduled, pending.queued, elapsed.scope
                 )
                 self.passes += 1
                 self._consecutive_errors = 0

@@ -13,16 +13,26 @@ Scopes (the ``timing_scope`` field of each message):
   when the batch is submitted and another after sampling is enqueued; the
   elapsed GPU time between them. Used when the engine process itself drives a
   CUDA device (``UniProcExecutor``). The end event is read only once the output
-  is on the host, so reading it never synchronises the engine.
+  is on the host, so reading it never synchronises the engine. If the end event
+  is not complete (or was never recorded) by then, that pass falls back to host
+  time and is labelled ``model_step_host``: the scope travels with each pass.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from stepscale_engine.wire import TIMING_SCOPE_MODEL_STEP_CUDA, TIMING_SCOPE_MODEL_STEP_HOST
+
+
+class Elapsed(NamedTuple):
+    """The measured duration of one pass."""
+
+    wall_time_s: float  # seconds of this pass
+    done_at: float  # its host completion time (the next pipelined batch starts no earlier)
+    scope: str  # the ``timing_scope`` of what was actually measured
 
 
 class PassTiming(Protocol):
@@ -34,14 +44,14 @@ class PassTiming(Protocol):
     def mark_done(self) -> None:
         """Output of this batch is available; any thread; the first call counts."""
 
-    def elapsed_s(self, previous_done: float) -> tuple[float, float]:
-        """``(wall_time_s, done_at)``: seconds of this pass, and its host completion time."""
+    def elapsed_s(self, previous_done: float) -> Elapsed:
+        """This pass's duration, starting no earlier than ``previous_done``."""
 
 
 class PassTimer(Protocol):
     """Creates a timing handle per submitted batch."""
 
-    scope: str
+    scope: str  # the scope it measures when all goes well (each pass says its own)
 
     def begin(self) -> PassTiming:
         """Called when the engine submits a batch to the executor."""
@@ -58,17 +68,19 @@ class HostPassTiming:
         self.done_at: float | None = None
 
     def mark_enqueued(self) -> None:
-        pass
+        """Nothing to do: the host clock needs no marker on the GPU stream."""
 
     def mark_done(self) -> None:
+        """Record the completion time; only the first call counts."""
         if self.done_at is None:
             self.done_at = self._clock()
 
-    def elapsed_s(self, previous_done: float) -> tuple[float, float]:
+    def elapsed_s(self, previous_done: float) -> Elapsed:
+        """From ``max(submission, previous_done)`` to completion (now, if not marked)."""
         if self.done_at is None:
             self.done_at = self._clock()
         start = max(self.submitted_at, previous_done)
-        return max(0.0, self.done_at - start), self.done_at
+        return Elapsed(max(0.0, self.done_at - start), self.done_at, TIMING_SCOPE_MODEL_STEP_HOST)
 
 
 class HostPassTimer:
@@ -80,6 +92,7 @@ class HostPassTimer:
         self._clock = clock
 
     def begin(self) -> HostPassTiming:
+        """Start timing a batch the engine is submitting now."""
         return HostPassTiming(self._clock)
 
 
@@ -96,6 +109,7 @@ class CudaPassTiming:
         self._end: Any = None
 
     def mark_enqueued(self) -> None:
+        """Record the end event; the first call counts."""
         # Recorded on the engine thread's current stream right after sampling is
         # enqueued: the event completes when the GPU finishes this batch.
         if self._end is None:
@@ -103,15 +117,18 @@ class CudaPassTiming:
             self._end.record()
 
     def mark_done(self) -> None:
+        """Record the host completion time; only the first call counts."""
         # May run on an executor thread: touch only the host clock here.
         self._host.mark_done()
 
-    def elapsed_s(self, previous_done: float) -> tuple[float, float]:
-        host_s, done_at = self._host.elapsed_s(previous_done)
+    def elapsed_s(self, previous_done: float) -> Elapsed:
+        """GPU time between the events, or host time (labelled so) if the end is not ready."""
+        host = self._host.elapsed_s(previous_done)
         end = self._end
         if end is None or not end.query():
-            return host_s, done_at
-        return self._start.elapsed_time(end) / 1000.0, done_at
+            return host  # scope model_step_host: that is what this pass measured
+        gpu_s = self._start.elapsed_time(end) / 1000.0
+        return Elapsed(gpu_s, host.done_at, TIMING_SCOPE_MODEL_STEP_CUDA)
 
 
 class CudaPassTimer:
@@ -134,6 +151,7 @@ class CudaPassTimer:
         self._clock = clock
 
     def begin(self) -> CudaPassTiming:
+        """Record the start event for a batch the engine is submitting now."""
         return CudaPassTiming(self._new_event, self._clock)
 
 

@@ -10,6 +10,11 @@ had already begun when vLLM loaded the plugin installs it on its first step.
 Nothing else in vLLM is touched, and no ``--scheduler-cls`` is needed: a user's
 own scheduler class works too.
 
+The plugin must never crash the engine: everything it runs inside vLLM's own
+calls (the wrapped ``__init__``, ``step`` and ``run_busy_loop``, and
+``register()`` itself) is guarded; an unexpected error is logged once and the
+plugin disables itself, and the engine's call proceeds as if it were not there.
+
 Environment:
 
 ==============================  =====================================================
@@ -36,6 +41,7 @@ from typing import Any
 
 from stepscale_engine import wire
 from stepscale_engine.publisher import DEFAULT_QUEUE_CAPACITY, FpmPublisher
+from stepscale_engine.vllm_compat import missing_internals, vllm_version
 
 log = logging.getLogger("stepscale_engine")
 
@@ -111,17 +117,22 @@ def data_parallel_rank(vllm_config: Any) -> int:
     return 0
 
 
-def _vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(getattr(vllm, "__version__", "unknown"))
-    except Exception:  # noqa: BLE001
-        return "unavailable"
+# Set once an install attempt fails unexpectedly: no engine in this process
+# tries again (each would fail the same way), and the warning is logged once.
+_install_broken = False
 
 
 def register() -> None:
     """Entry point: enable FPM publishing if configured; never raises."""
+    try:
+        _register()
+    except Exception as exc:  # noqa: BLE001 - a plugin must not stop vLLM from starting
+        log.warning(
+            "Stepscale FPM disabled: unexpected error with vLLM %s: %r", vllm_version(), exc
+        )
+
+
+def _register() -> None:
     try:
         config = PluginConfig.from_env()
     except ValueError as exc:
@@ -135,8 +146,16 @@ def register() -> None:
     except Exception as exc:  # noqa: BLE001 - drift: any import problem disables us
         log.warning(
             "Stepscale FPM disabled: vLLM %s has no vllm.v1.engine.core.EngineCore (%s)",
-            _vllm_version(),
+            vllm_version(),
             exc,
+        )
+        return
+    missing = missing_internals()
+    if missing:
+        log.warning(
+            "Stepscale FPM disabled: vLLM %s lacks internals the plugin reads: %s",
+            vllm_version(),
+            ", ".join(missing),
         )
         return
     patch_engine_core(EngineCore, config)
@@ -160,7 +179,7 @@ def patch_engine_core(engine_core_cls: type, config: PluginConfig) -> bool:
     if missing:
         log.warning(
             "Stepscale FPM disabled: vLLM %s EngineCore lacks %s",
-            _vllm_version(),
+            vllm_version(),
             ", ".join(missing),
         )
         return False
@@ -191,9 +210,8 @@ def _installing_call(method: Callable[..., Any], config: PluginConfig) -> Callab
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _HOOK_ATTR not in self.__dict__:
-            install_hook(self, config)
-        return method(self, *args, **kwargs)
+        _ensure_hook(self, config)
+        return method(self, *args, **kwargs)  # outside the guard: the engine's own errors
 
     return wrapper
 
@@ -203,16 +221,62 @@ def _installing_init(init: Callable[..., Any], config: PluginConfig) -> Callable
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         # Subclasses call this through super(): install once, after the base is built.
-        if _HOOK_ATTR not in self.__dict__ and hasattr(self, "scheduler"):
-            install_hook(self, config)
+        _ensure_hook(self, config, only_if_built=True)
 
     return wrapper
 
 
+def _ensure_hook(engine_core: Any, config: PluginConfig, only_if_built: bool = False) -> None:
+    """Install the hook on ``engine_core`` unless done or tried; never raises."""
+    global _install_broken
+    if _install_broken:
+        return
+    try:
+        if _HOOK_ATTR in engine_core.__dict__:
+            return
+        if only_if_built and not hasattr(engine_core, "scheduler"):
+            return
+        install_hook(engine_core, config)
+    except Exception as exc:  # noqa: BLE001 - never break the engine's own call
+        _install_broken = True
+        log.warning(
+            "Stepscale FPM disabled: installing on vLLM %s failed: %r", vllm_version(), exc
+        )
+
+
 def install_hook(engine_core: Any, config: PluginConfig) -> Any:
-    """Install an :class:`EngineHook` on one engine; returns it, or None if disabled."""
+    """Install an :class:`EngineHook` on one engine; returns it, or None if disabled.
+
+    Never raises: anything unexpected (vLLM internals that differ, a port in
+    use) logs one warning and leaves the engine untouched.
+    """
     # Mark first: a failure below must not be retried on every step.
     engine_core.__dict__[_HOOK_ATTR] = None
+    try:
+        hook = _build_hook(engine_core, config)
+    except OSError as exc:
+        log.warning("Stepscale FPM disabled: %s", exc)
+        return None
+    except Exception as exc:  # noqa: BLE001 - drift or a bug: disable, never crash
+        log.warning(
+            "Stepscale FPM disabled: vLLM %s internals differ from what the plugin needs: %r",
+            vllm_version(),
+            exc,
+        )
+        return None
+    engine_core.__dict__[_HOOK_ATTR] = hook
+    log.info(
+        "Stepscale FPM publishing on %s (worker_id=%s, dp_rank=%d, timing_scope=%s)",
+        hook.publisher.endpoint,
+        config.worker_id,
+        hook.publisher.dp_rank,
+        hook.timer.scope,
+    )
+    return hook
+
+
+def _build_hook(engine_core: Any, config: PluginConfig) -> Any:
+    """Create, wire and start the hook of one engine; on any failure undo and raise."""
     from stepscale_engine.engine_hook import EngineHook
     from stepscale_engine.pass_timer import choose_pass_timer
 
@@ -220,35 +284,18 @@ def install_hook(engine_core: Any, config: PluginConfig) -> Any:
     executor = getattr(engine_core, "model_executor", None)
     vllm_config = getattr(engine_core, "vllm_config", None)
     dp_rank = data_parallel_rank(vllm_config)
-    try:
-        publisher = FpmPublisher(
-            config.endpoint(dp_rank),
-            config.worker_id,
-            dp_rank,
-            queue_capacity=config.queue_capacity,
-            heartbeat_interval_s=config.heartbeat_interval_s,
-        )
-        hook = EngineHook(scheduler, executor, publisher, choose_pass_timer(executor, vllm_config))
-    except TypeError as exc:
-        log.warning(
-            "Stepscale FPM disabled: vLLM %s internals differ from what the plugin needs: %s",
-            _vllm_version(),
-            exc,
-        )
-        return None
-    try:
-        publisher.start()
-    except OSError as exc:
-        log.warning("Stepscale FPM disabled: %s", exc)
-        hook.uninstall()
-        return None
-    engine_core.__dict__[_HOOK_ATTR] = hook
-    atexit.register(publisher.close)
-    log.info(
-        "Stepscale FPM publishing on %s (worker_id=%s, dp_rank=%d, timing_scope=%s)",
-        publisher.endpoint,
+    publisher = FpmPublisher(
+        config.endpoint(dp_rank),
         config.worker_id,
         dp_rank,
-        hook.timer.scope,
+        queue_capacity=config.queue_capacity,
+        heartbeat_interval_s=config.heartbeat_interval_s,
     )
+    hook = EngineHook(scheduler, executor, publisher, choose_pass_timer(executor, vllm_config))
+    try:
+        publisher.start()
+        atexit.register(publisher.close)
+    except BaseException:
+        hook.uninstall()  # restore the engine's methods and queues, stop the publisher
+        raise
     return hook

@@ -9,6 +9,10 @@ Sequence numbers are assigned on the sender thread alone, so heartbeats and
 passes can never be numbered out of order. Messages the engine dropped because
 the queue was full still consume sequence numbers: a subscriber sees exactly
 those losses as a gap.
+
+A message that cannot be encoded or sent (whatever the exception) is counted
+in ``send_errors`` and logged at a limited rate; the sender keeps running, so
+one bad record never ends the stream.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -50,7 +55,7 @@ class PublisherStats:
     sent: int = 0
     heartbeats: int = 0
     send_would_block: int = 0
-    send_errors: int = 0
+    send_errors: int = 0  # any failure to encode or send one message
 
 
 # What the engine thread hands over: (wall_time, scheduled, queued, timing_scope,
@@ -131,8 +136,12 @@ class FpmPublisher:
             raise OSError(f"cannot bind FPM publisher to {self.endpoint}: {self._bind_error}")
         return self
 
-    def close(self, timeout_s: float = 1.0) -> None:
-        """Drain what is queued, then close the socket, within about ``timeout_s``."""
+    def close(self, timeout_s: float | None = 1.0) -> None:
+        """Drain what is queued, then close the socket.
+
+        Waits at most ``timeout_s`` for the sender to finish (``None``: until it
+        has; ``0``: not at all, the sender finishes on its own).
+        """
         if self._thread is None:
             return
         self._stop.set()
@@ -166,10 +175,10 @@ class FpmPublisher:
                 stopping = self._stop.is_set()
                 if self._queue:
                     while self._queue:
-                        self._send(sock, self._queue.popleft())
+                        self._guarded(self._send, sock, self._queue.popleft())
                     last_send = last_pass = time.monotonic()
                 elif not stopping and time.monotonic() - last_send >= self._heartbeat_interval_s:
-                    self._send_heartbeat(sock)
+                    self._guarded(self._send_heartbeat, sock)
                     last_send = time.monotonic()
                 if stopping:
                     break
@@ -200,6 +209,16 @@ class FpmPublisher:
             self._wake.wait(max(0.0, last_send + self._heartbeat_interval_s - now))
         self._wake.clear()
         self._sender_idle = False
+
+    def _guarded(self, send: Callable[..., object], *args: object) -> None:
+        """Run one send; any exception is counted and logged, never ends the thread."""
+        try:
+            send(*args)
+        except Exception as exc:  # noqa: BLE001 - the stream must outlive one bad message
+            self.stats.send_errors += 1
+            self._rate_log.warning(
+                "unexpected", "FPM message on %s not sent: %r", self.endpoint, exc
+            )
 
     def _take_counter(self, dropped: int) -> int:
         # Messages dropped at the queue keep their place in the sequence, so a

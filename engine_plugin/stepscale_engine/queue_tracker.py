@@ -12,6 +12,12 @@ that mutates a queue behind the tracked methods (a custom scheduler calling
 deque methods directly, say); the tracker then rebuilds its sums by one scan and
 counts a resync.
 
+The tracked methods run inside vLLM's own calls, so they never raise on the
+tracker's account: if a request lacks what the tracker reads (a drifted vLLM),
+it is left uncounted, the count check then sees the difference, and the resync
+fails inside the hook, which counts the error and eventually turns itself off.
+:meth:`QueueTracker.detach` gives the queues their own class back.
+
 Classification per the spec: preempted requests and requests waiting for remote
 KV are queued *decode* with context = all their tokens (vLLM resets a preempted
 request's computed count to 0, so it must recompute prompt plus output); every
@@ -110,7 +116,10 @@ def _enter(queue: Any, request: Any) -> None:
     key = id(request)
     if key in queue._stepscale_contrib:  # already counted: never count twice
         return
-    contribution = request_contribution(request)
+    try:
+        contribution = request_contribution(request)
+    except Exception:  # noqa: BLE001 - runs inside the engine's call: never raise
+        return  # left uncounted: the count check in metrics() notices
     queue._stepscale_contrib[key] = contribution
     queue._stepscale_agg.add(*contribution)
 
@@ -188,8 +197,10 @@ def is_tracked(queue: Any) -> bool:
 class QueueTracker:
     """Incremental ``QueuedRequestMetrics`` over a scheduler's waiting queues."""
 
-    def __init__(self, queues: list[Any]) -> None:
+    def __init__(self, queues: list[Any], converted: dict[int, type] | None = None) -> None:
         self._queues = queues
+        # id(queue) -> its class before this tracker swapped it (restored by detach).
+        self._converted = converted or {}
         self.resyncs = 0
         # Most passes leave the queues untouched: reuse the last struct then.
         self._cached_key: tuple[tuple[int, int], ...] = ()
@@ -204,11 +215,13 @@ class QueueTracker:
         itself rather than guessing.
         """
         queues = []
+        converted: dict[int, type] = {}
         for name in QUEUE_ATTRIBUTES:
             queue = getattr(scheduler, name, None)
             if queue is None or not all(hasattr(queue, m) for m in _TRACKED_METHODS):
                 continue
             if not is_tracked(queue):
+                converted[id(queue)] = type(queue)
                 queue.__class__ = _tracked_class(type(queue))
                 queue._stepscale_contrib = {}
                 queue._stepscale_agg = QueueAggregates()
@@ -218,7 +231,21 @@ class QueueTracker:
             raise TypeError(
                 f"{type(scheduler).__name__} has none of the waiting queues {QUEUE_ATTRIBUTES}"
             )
-        return cls(queues)
+        return cls(queues, converted)
+
+    def detach(self) -> None:
+        """Give the queues this tracker converted their own class back, untracked.
+
+        Afterwards the scheduler's queue calls cost exactly what they cost
+        without the plugin. Queues another tracker converted are left alone.
+        """
+        for queue in self._queues:
+            original = self._converted.pop(id(queue), None)
+            if original is None:
+                continue
+            queue.__class__ = original
+            for attribute in ("_stepscale_contrib", "_stepscale_agg"):
+                queue.__dict__.pop(attribute, None)
 
     def metrics(self) -> QueuedRequestMetrics:
         """Current queue state; O(number of queues) unless a resync is needed."""

@@ -51,9 +51,11 @@ from stepscale_engine.pass_timer import (  # noqa: E402
 )
 from stepscale_engine.queue_tracker import (  # noqa: E402
     QueueTracker,
+    is_tracked,
     request_contribution,
     scan_queued_metrics,
 )
+from stepscale_engine.vllm_compat import vllm_version  # noqa: E402
 from stepscale_engine.wire import (  # noqa: E402
     TIMING_SCOPE_MODEL_STEP_CUDA,
     TIMING_SCOPE_MODEL_STEP_HOST,
@@ -571,6 +573,7 @@ class RecordingPublisher:
     )
     fail: bool = False
     closed: bool = False
+    close_timeout_s: float | None = None
 
     def publish(
         self,
@@ -584,8 +587,9 @@ class RecordingPublisher:
         self.published.append((wall_time, scheduled, queued, timing_scope))
         return True
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = 1.0) -> None:
         self.closed = True
+        self.close_timeout_s = timeout_s
 
 
 class FakeScheduler:
@@ -767,8 +771,11 @@ def test_pipelined_batches_use_max_of_submission_and_previous_completion() -> No
     assert [p[0] for p in publisher.published] == pytest.approx([5.0, 3.0, 2.5])
 
 
-def test_hook_errors_never_reach_the_engine_and_disable_after_100_in_a_row() -> None:
+def test_hook_errors_never_reach_the_engine_and_disable_after_100_in_a_row(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     hook, scheduler, executor, publisher, clock = make_hook()
+    original_queue_class = type(scheduler.waiting).__mro__[1]
     # Claims tokens, but has none of the fields batch composition reads.
     malformed = SimpleNamespace(total_num_scheduled_tokens=5)
     for _ in range(engine_hook.MAX_CONSECUTIVE_ERRORS - 1):
@@ -781,14 +788,25 @@ def test_hook_errors_never_reach_the_engine_and_disable_after_100_in_a_row() -> 
     assert len(publisher.published) == 1
     for _ in range(engine_hook.MAX_CONSECUTIVE_ERRORS - 1):
         sync_step(scheduler, executor, clock, malformed, run_s=0.1)
-    assert hook.enabled
-    sync_step(scheduler, executor, clock, malformed, run_s=0.1)
+    assert hook.enabled and not publisher.closed
+    with caplog.at_level("WARNING", logger=engine_hook.log.name):
+        sync_step(scheduler, executor, clock, malformed, run_s=0.1)
     assert not hook.enabled
+    # The publisher is stopped, heartbeats included: a busy engine whose hook
+    # broke must go stale, not look idle. Signalled, not waited for (engine thread).
+    assert publisher.closed and publisher.close_timeout_s == 0.0
+    disabled = [r for r in caplog.records if "disabled" in r.getMessage()]
+    assert len(disabled) == 1
+    assert f"vLLM {vllm_version()}" in disabled[0].getMessage()
+    # The engine is as it was: its own methods and queue class.
+    assert scheduler.schedule == FakeScheduler.schedule.__get__(scheduler)
+    assert type(scheduler.waiting) is original_queue_class
     # Disabled: the engine still runs every pass, nothing more is published.
     result = sync_step(scheduler, executor, clock, decode_output(), run_s=0.1)
     assert result["outputs_for"] is scheduler.consumed[-1][0]
     assert len(publisher.published) == 1
     assert len(scheduler.consumed) == 2 * engine_hook.MAX_CONSECUTIVE_ERRORS + 1
+    assert hook.errors == 2 * engine_hook.MAX_CONSECUTIVE_ERRORS - 1  # none after disabling
 
 
 def test_publisher_failure_is_counted_not_raised() -> None:
@@ -799,15 +817,68 @@ def test_publisher_failure_is_counted_not_raised() -> None:
     assert hook.errors == 1 and hook.passes == 0
 
 
-def test_uninstall_restores_the_engine_methods() -> None:
+def test_drifted_scheduler_output_never_reaches_the_engine() -> None:
     hook, scheduler, executor, publisher, clock = make_hook()
+    # A future SchedulerOutput that renamed total_num_scheduled_tokens.
+    drifted = SimpleNamespace(total_tokens=5)
+    result = sync_step(scheduler, executor, clock, drifted, run_s=0.1)
+    assert result == {"outputs_for": drifted}
+    assert executor.executed == [drifted]
+    assert hook.errors == 1 and hook.passes == 0 and publisher.published == []
+    # Not even an object: still the engine's own result.
+    assert sync_step(scheduler, executor, clock, None, run_s=0.1) == {"outputs_for": None}
+    assert hook.errors == 2
+
+
+def test_drifted_request_never_breaks_the_engines_queue_calls() -> None:
+    hook, scheduler, executor, publisher, clock = make_hook()
+    good = FakeRequest("good", 10)
+    drifted = SimpleNamespace(request_id="new", status=RequestStatus.WAITING)  # no token counts
+    scheduler.waiting.add_request(good)
+    scheduler.waiting.add_request(drifted)  # must not raise inside the engine
+    assert list(scheduler.waiting) == [good, drifted]
+    # The hook notices (the tracked count is short) and counts an error; the pass still runs.
+    output = decode_output()
+    assert sync_step(scheduler, executor, clock, output, run_s=0.1) == {"outputs_for": output}
+    assert hook.errors == 1 and publisher.published == []
+    assert scheduler.waiting.pop_request() is good
+    assert scheduler.waiting.pop_request() is drifted
+
+
+def test_uninstall_restores_the_engine_methods_and_queue_classes() -> None:
+    hook, scheduler, executor, publisher, clock = make_hook()
+    queue_classes = {name: type(getattr(scheduler, name)).__mro__[1]
+                     for name in ("waiting", "kv_holding_waiting")}
+    scheduler.waiting.add_request(FakeRequest("q", 10))
     assert scheduler.schedule != FakeScheduler.schedule.__get__(scheduler)
+    assert "schedule" in vars(scheduler)
     hook.uninstall()
     assert scheduler.schedule == FakeScheduler.schedule.__get__(scheduler)
+    assert "schedule" not in vars(scheduler)  # the class's method shows through again
     assert executor.sample_tokens == FakeExecutor.sample_tokens.__get__(executor)
     assert publisher.closed
+    # The queues are their own class again, untracked, and keep their requests.
+    for name, original in queue_classes.items():
+        queue = getattr(scheduler, name)
+        assert type(queue) is original
+        assert not is_tracked(queue)
+        assert not hasattr(queue, "_stepscale_agg")
+    assert [r.request_id for r in scheduler.waiting] == ["q"]
     sync_step(scheduler, executor, clock, decode_output(), run_s=0.1)
     assert publisher.published == []
+    # Installing again works and counts what is queued.
+    again = EngineHook(scheduler, executor, RecordingPublisher(), HostPassTimer(clock=clock))
+    assert again.queue_tracker.metrics().num_prefill_requests == 1
+
+
+def test_detach_leaves_queues_another_tracker_converted() -> None:
+    scheduler = make_scheduler(SchedulingPolicy.FCFS)
+    first = QueueTracker.attach(scheduler)
+    second = QueueTracker.attach(scheduler)  # found them tracked already
+    second.detach()
+    assert is_tracked(scheduler.waiting)
+    first.detach()
+    assert type(scheduler.waiting) is FCFSRequestQueue
 
 
 def test_engine_without_required_methods_is_refused() -> None:
@@ -867,9 +938,10 @@ def test_cuda_timing_uses_the_events_once_complete() -> None:
     clock.now += 0.5
     timing.mark_done()
     assert [e.records for e in gpu.events] == [1, 1]
-    wall_time, done_at = timing.elapsed_s(previous_done=0.0)
-    assert wall_time == pytest.approx(0.012)
-    assert done_at == clock.now  # host completion still tracked for the next batch
+    elapsed = timing.elapsed_s(previous_done=0.0)
+    assert elapsed.wall_time_s == pytest.approx(0.012)
+    assert elapsed.scope == TIMING_SCOPE_MODEL_STEP_CUDA
+    assert elapsed.done_at == clock.now  # host completion still tracked for the next batch
 
 
 def test_cuda_timing_falls_back_to_host_time_when_the_end_event_is_not_usable() -> None:
@@ -879,10 +951,36 @@ def test_cuda_timing_falls_back_to_host_time_when_the_end_event_is_not_usable() 
     not_ready.mark_enqueued()
     gpu.events[-1].complete = False
     clock.now += 0.25
-    assert not_ready.elapsed_s(0.0)[0] == pytest.approx(0.25)
+    # Host time, and labelled as such: the message must say what was measured.
+    assert not_ready.elapsed_s(0.0) == (
+        pytest.approx(0.25), clock.now, TIMING_SCOPE_MODEL_STEP_HOST
+    )
     never_enqueued = timer.begin()
     clock.now += 0.5
-    assert never_enqueued.elapsed_s(0.0)[0] == pytest.approx(0.5)
+    assert never_enqueued.elapsed_s(0.0) == (
+        pytest.approx(0.5), clock.now, TIMING_SCOPE_MODEL_STEP_HOST
+    )
+
+
+def test_hook_labels_each_pass_with_the_scope_it_measured() -> None:
+    gpu, clock = FakeGpu(), FakeClock()
+    _hook, scheduler, executor, publisher, _ = make_hook(
+        timer=CudaPassTimer(new_event=gpu.new_event, clock=clock), clock=clock
+    )
+    for end_ready in (True, False, True):
+        scheduler.next_output = decode_output()
+        out = scheduler.schedule()
+        executor.execute_model(out, non_block=True)
+        gpu.now_ms += 2.0
+        clock.now += 0.5
+        model_output = executor.sample_tokens(None)
+        gpu.events[-1].complete = end_ready
+        scheduler.update_from_output(out, model_output)
+    assert [(p[0], p[3]) for p in publisher.published] == [
+        (pytest.approx(0.002), TIMING_SCOPE_MODEL_STEP_CUDA),
+        (pytest.approx(0.5), TIMING_SCOPE_MODEL_STEP_HOST),
+        (pytest.approx(0.002), TIMING_SCOPE_MODEL_STEP_CUDA),
+    ]
 
 
 def test_hook_with_cuda_timer_publishes_gpu_time_and_scope() -> None:

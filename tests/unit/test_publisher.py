@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,6 +113,11 @@ def test_full_queue_drops_counts_and_leaves_a_gap_of_exactly_the_drops(
     assert pub.stats.heartbeats == 0
 
 
+# Hang guard only: a sender that never stops fails here instead of hanging CI.
+HANG_GUARD_S = 120
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
 def test_close_drains_what_is_queued_then_stops(context: zmq.Context, tcp_port: int) -> None:
     pub = FpmPublisher(f"tcp://127.0.0.1:{tcp_port}", "w", heartbeat_interval_s=0.05,
                        context=context).start()
@@ -120,11 +126,61 @@ def test_close_drains_what_is_queued_then_stops(context: zmq.Context, tcp_port: 
     for _ in range(500):
         pub.publish(0.01, SCHED, QUEUED)
     thread = pub._thread
-    pub.close(timeout_s=1.0)
-    assert thread is not None and not thread.is_alive()
-    passes = [m for m in receive(sub, 600, timeout_s=2.0) if not m.is_heartbeat]
+    assert thread is not None
+    pub.close(timeout_s=None)  # wait for the sender however long it takes
+    assert not thread.is_alive()
+    assert pub.stats.sent - pub.stats.heartbeats == 500  # drained before stopping
+    passes = [m for m in receive(sub, 600, timeout_s=10.0) if not m.is_heartbeat]
     sub.close()
     assert len(passes) == 500
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_close_without_waiting_returns_and_the_sender_still_stops(
+    context: zmq.Context, tcp_port: int
+) -> None:
+    # What a self-disabling hook does on the engine thread: signal, never wait.
+    pub = FpmPublisher(f"tcp://127.0.0.1:{tcp_port}", "w", context=context).start()
+    thread = pub._thread
+    assert thread is not None
+    pub.close(timeout_s=0.0)
+    thread.join()
+    assert pub._thread is None
+    pub.close()  # closing again is harmless
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_a_message_that_fails_to_encode_is_counted_and_the_sender_keeps_going(
+    context: zmq.Context, tcp_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_encode = wire.encode_frames
+
+    def encode_frames(msg: wire.ForwardPassMetrics) -> list[bytes]:
+        if msg.wall_time == 666.0:
+            raise struct.error("argument out of range")  # what a bad counter would raise
+        return real_encode(msg)
+
+    monkeypatch.setattr(wire, "encode_frames", encode_frames)
+    pub = FpmPublisher(f"tcp://127.0.0.1:{tcp_port}", "w", heartbeat_interval_s=0.05,
+                       context=context).start()
+    sub = subscribe(context, f"tcp://127.0.0.1:{tcp_port}")
+    received = [wait_for_heartbeat(sub)]
+    thread = pub._thread
+    assert thread is not None
+    assert pub.publish(666.0, SCHED, QUEUED)
+    assert pub.publish(0.5, SCHED, QUEUED)
+    # A dead sender ends the wait at once; a live one that never sends hits the guard.
+    while thread.is_alive() and not any(m.wall_time == 0.5 for m in received):
+        received += receive(sub, 1)
+    assert thread.is_alive()
+    assert pub.stats.send_errors == 1
+    pub.close(timeout_s=None)
+    sub.close()
+    assert [m.wall_time for m in received if not m.is_heartbeat] == [0.5]
+    # The lost message kept its sequence number: exactly one gap of one.
+    counters = [m.counter_id for m in received]
+    expected = range(counters[0], counters[-1] + 1)
+    assert len(expected) == len(counters) + 1 and set(counters) < set(expected)
 
 
 def test_binding_a_busy_port_raises_a_clear_error(context: zmq.Context, tcp_port: int) -> None:
@@ -143,10 +199,14 @@ def test_ipc_endpoint(context: zmq.Context, tmp_path: Path) -> None:
     assert beat.dp_rank == 1 and beat.is_heartbeat
 
 
+@pytest.mark.timeout(HANG_GUARD_S)
 def test_publish_without_any_subscriber_never_blocks(context: zmq.Context, tcp_port: int) -> None:
     # PUB with no peer discards; the engine-side call must still succeed every time.
-    with FpmPublisher(f"tcp://127.0.0.1:{tcp_port}", "w", queue_capacity=100_000,
-                      context=context) as pub:
-        accepted = sum(pub.publish(0.01, SCHED, QUEUED) for _ in range(20_000))
+    # No heartbeats during the test, so every send is one of ours.
+    pub = FpmPublisher(f"tcp://127.0.0.1:{tcp_port}", "w", queue_capacity=100_000,
+                       heartbeat_interval_s=3600.0, context=context).start()
+    accepted = sum(pub.publish(0.01, SCHED, QUEUED) for _ in range(20_000))
+    pub.close(timeout_s=None)  # the sender drains everything before it stops
     assert accepted == 20_000
     assert pub.stats.sent + pub.stats.send_would_block == 20_000
+    assert pub.stats.send_errors == 0

@@ -123,18 +123,32 @@ def test_integer_wall_time_is_accepted_as_float() -> None:
     assert wire.decode_payload(payload).wall_time == 1.0
 
 
+def zeros(struct_type: type[msgspec.Struct]) -> dict[str, object]:
+    """All fields zero, each with its declared type: 0 for counts, 0.0 for variances."""
+    fields = msgspec.structs.fields(struct_type)
+    return {field.name: 0.0 if field.type is float else 0 for field in fields}
+
+
 def test_heartbeat_has_only_identity_and_counter() -> None:
     hb = wire.heartbeat("w", 2, 17)
     assert hb.is_heartbeat
-    assert msgpack.unpackb(wire.encode_payload(hb)) == {
+    expected = {
         "version": 1,
         "worker_id": "w",
         "dp_rank": 2,
         "counter_id": 17,
         "wall_time": 0.0,
-        "scheduled_requests": {k: 0 for k in ScheduledRequestMetrics.__struct_fields__},
-        "queued_requests": {k: 0 for k in QueuedRequestMetrics.__struct_fields__},
+        "scheduled_requests": zeros(ScheduledRequestMetrics),
+        "queued_requests": zeros(QueuedRequestMetrics),
     }
+    # Bytes, not values: 0 == 0.0 in Python, but the other implementations'
+    # decoders see an int where a float belongs if we encode one.
+    assert wire.encode_payload(hb) == msgpack.packb(expected)
+    decoded = msgpack.unpackb(wire.encode_payload(hb))
+    for part in ("scheduled_requests", "queued_requests"):
+        floats = {k for k, v in decoded[part].items() if isinstance(v, float)}
+        assert floats == {"var_prefill_length", "var_decode_kv_tokens"}
+    assert isinstance(decoded["wall_time"], float)
 
 
 def good_payload() -> bytes:
@@ -205,9 +219,38 @@ MALFORMED_CASES: list[tuple[str, list[bytes], FrameError]] = [
         FrameError.VALUE,
     ),
     (
-        "sequence differs from counter",
-        [b"", struct.pack(">Q", 40), good_payload()],
-        FrameError.SEQUENCE_MISMATCH,
+        "deeply nested unknown value",
+        [b"", SEQ41, b"\x81\xa5other" + b"\x91" * 1000 + b"\xc0"],
+        FrameError.SCHEMA,
+    ),
+    (
+        "deeply nested maps",
+        [b"", SEQ41, b"\x81\xa5other" + b"\x81\xa1k" * 1000 + b"\xc0"],
+        FrameError.SCHEMA,
+    ),
+    (
+        "deep nesting inside a known key",
+        [b"", SEQ41, b"\x81\xb2scheduled_requests\x81\xa1x" + b"\x91" * 1000 + b"\xc0"],
+        FrameError.SCHEMA,
+    ),
+    (
+        "large negative variance",
+        [
+            b"",
+            SEQ41,
+            msgpack.packb(
+                {
+                    "counter_id": 41,
+                    "wall_time": 0.1,
+                    "queued_requests": {
+                        "num_decode_requests": 2,
+                        "sum_decode_kv_tokens": 200,
+                        "var_decode_kv_tokens": -5.0,
+                    },
+                }
+            ),
+        ],
+        FrameError.VALUE,
     ),
 ]
 
@@ -221,6 +264,85 @@ def test_malformed_input_is_a_decode_error_with_its_reason(
     with pytest.raises(DecodeError) as info:
         wire.decode_frames(frames)
     assert info.value.reason is reason
+
+
+def test_any_unexpected_decoder_exception_becomes_a_decode_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class BrokenDecoder:
+        def decode(self, payload: bytes) -> ForwardPassMetrics:
+            raise KeyError("something msgspec never raised before")
+
+    monkeypatch.setattr(wire, "_decoder", BrokenDecoder())
+    with pytest.raises(DecodeError) as info:
+        wire.decode_frames([b"", SEQ41, good_payload()])
+    assert info.value.reason is FrameError.NOT_MSGPACK
+    assert "KeyError" in info.value.detail
+
+
+def test_sequence_differing_from_counter_is_reported_but_accepted() -> None:
+    # The spec rejects only wrong frame counts and sequence lengths.
+    mismatches: list[tuple[int, int]] = []
+    msg = wire.decode_frames(
+        [b"", struct.pack(">Q", 40), good_payload()],
+        on_sequence_mismatch=lambda sequence, m: mismatches.append((sequence, m.counter_id)),
+    )
+    assert msg == sample()
+    assert mismatches == [(40, 41)]
+    # Without a callback it is accepted all the same; a matching one reports nothing.
+    assert wire.decode_frames([b"", struct.pack(">Q", 40), good_payload()]) == sample()
+    wire.decode_frames(wire.encode_frames(sample()), on_sequence_mismatch=mismatches.append)
+    assert mismatches == [(40, 41)]
+
+
+def test_timing_scope_nil_reads_as_unset() -> None:
+    body = {**expected_map(), "timing_scope": None}
+    msg = wire.decode_payload(msgpack.packb(body))
+    assert msg.timing_scope is msgspec.UNSET
+    assert msg == sample()
+    # Re-encoded, it is the plain layout again (no nil on our wire).
+    assert wire.encode_payload(msg) == msgpack.packb(expected_map())
+
+
+def test_timing_scope_of_another_type_is_still_a_schema_error() -> None:
+    with pytest.raises(DecodeError) as info:
+        wire.decode_payload(msgpack.packb({**expected_map(), "timing_scope": 3}))
+    assert info.value.reason is FrameError.SCHEMA
+
+
+@pytest.mark.parametrize(
+    ("part", "fields"),
+    [
+        # E[x^2] - E[x]^2 rounding at the scale of the data: 1e-12 on nothing ...
+        ("scheduled_requests", {"var_prefill_length": -1e-12}),
+        # ... or a few thousandths on contexts of 100k tokens (mean^2 = 1e10).
+        (
+            "queued_requests",
+            {"num_decode_requests": 3, "sum_decode_kv_tokens": 300_000,
+             "var_decode_kv_tokens": -0.004},
+        ),
+        (
+            "scheduled_requests",
+            {"num_decode_requests": 2, "sum_decode_kv_tokens": 4000,
+             "var_decode_kv_tokens": -1e-9},
+        ),
+    ],
+)
+def test_variance_negative_by_rounding_is_accepted_as_zero(
+    part: str, fields: dict[str, object]
+) -> None:
+    body = {**expected_map(), part: fields}
+    msg = wire.decode_payload(msgpack.packb(body))
+    decoded_part = getattr(msg, part)
+    variance_field = next(k for k in fields if k.startswith("var_"))
+    assert getattr(decoded_part, variance_field) == 0.0
+    assert all(getattr(decoded_part, k) == v for k, v in fields.items() if k != variance_field)
+
+
+def test_negative_non_variance_float_is_still_rejected() -> None:
+    with pytest.raises(DecodeError) as info:
+        wire.decode_payload(msgpack.packb({"counter_id": 1, "wall_time": -1e-12}))
+    assert info.value.reason is FrameError.VALUE
 
 
 msgpack_values = st.recursive(
