@@ -29,13 +29,14 @@ reported beside MAPE: MAPE caps an under-prediction's error at 100% but not an
 over-prediction's, so on stall-heavy recordings it favours predicting low.
 
 Run: ``PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_cost_model.py
-[--synthetic] [recordings...]`` (default: ``results/recordings/*.jsonl``).
+[--synthetic] [recordings...]``. Default inputs: ``results/recordings/*.jsonl[.gz]``
+(what ``record_fpm.py`` writes, git-ignored), else the recording kept in the
+repository (``tests/data/*.jsonl.gz``), so a fresh checkout scores real data too.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import gzip
 import json
 import math
@@ -52,6 +53,11 @@ from stepscale_operator.cost_model import CostModel, sched_matrix
 
 FloatArray = npt.NDArray[np.float64]
 WARMUP_SKIP = 500  # passes before any method is scored (at most a fifth of a recording)
+# A baseline prediction of 0 s or less (its unconstrained least squares went
+# negative) is scored as this: a wrong prediction must count, not vanish.
+MIN_PREDICTION_S = 1e-6
+DEFAULT_RECORDINGS = ("results/recordings/*.jsonl", "results/recordings/*.jsonl.gz")
+FALLBACK_RECORDINGS = ("tests/data/*.jsonl.gz",)
 MIN_PASSES = 100
 NONLOCAL_EXCLUDE = 200  # passes either side left out of the non-local noise floor
 
@@ -191,7 +197,8 @@ def baseline_predictions(msgs: list[ForwardPassMetrics]) -> FloatArray:
             x = np.array([1.0, s.num_decode_requests, s.sum_decode_kv_tokens])
             reg, bucket = decode, int(math.log2(max(s.num_decode_requests, 1)))
         p = reg.predict(x)
-        preds[i] = p if p > 0 else math.nan
+        # NaN only before its first fit; a non-positive prediction is scored, clamped.
+        preds[i] = max(p, MIN_PREDICTION_S) if math.isfinite(p) else math.nan
         reg.learn(bucket, x, m.wall_time)
     return preds
 
@@ -320,6 +327,15 @@ def evaluate(name: str, msgs: list[ForwardPassMetrics], meta: dict[str, Any]) ->
     return result
 
 
+def default_recordings(root: Path = Path(".")) -> list[Path]:
+    """Local recordings (plain or gzipped), else the ones kept in the repository."""
+    for patterns in (DEFAULT_RECORDINGS, FALLBACK_RECORDINGS):
+        found = sorted({p for pat in patterns for p in root.glob(pat)})
+        if found:
+            return found
+    return []
+
+
 def load_meta(path: Path) -> dict[str, Any]:
     """The recorder's side file (machine load while recording), if there is one."""
     side = path.with_name(path.name.split(".")[0] + ".meta.json")
@@ -365,9 +381,7 @@ def main() -> None:
     parser.add_argument("--synthetic-passes", type=int, default=30_000)
     parser.add_argument("--out", default="results/bench_cost_model.json")
     args = parser.parse_args()
-    paths = [Path(p) for p in args.recordings] or [
-        Path(p) for p in sorted(glob.glob("results/recordings/*.jsonl"))
-    ]
+    paths = [Path(p) for p in args.recordings] or default_recordings()
     inputs = [(str(p), load_recording(p), load_meta(p)) for p in paths]
     if args.synthetic or not inputs:
         inputs.append(("synthetic(noise=10%)", synthetic_recording(args.synthetic_passes), {}))

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -140,7 +141,7 @@ def record(config_name: str, out_dir: Path, phase_s: float, seed: int, nice: int
 
     from stepscale_engine import wire
 
-    with __import__("socket").socket() as sock:
+    with socket.socket() as sock:  # a free port for the engine to publish on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ are ``log(y/pred)``; their median and MAD over a long window (``robust_window``
 passes, all residuals, rejected ones included) give a centre and a scale that a
 run shorter than half the window cannot move much. A pass more than ``reject_k``
 scales *slower* than the centre is rejected (stalls only ever slow a pass; a pass
-faster than predicted is never rejected, the fit is simply too high). Accepted
+faster than predicted is not an outlier, the fit is simply too high). Accepted
 passes get Huber weights on their relative residual about the centre, which bounds
 any pass's pull on the fit. A bucket with little data, or whose passes the gate
 has been rejecting most of the time for long (``misfit_half_life``: that is the
@@ -66,6 +66,23 @@ the change in a few thousand passes whatever the half-life. The first
 ``warmup_passes`` passes of a new or restarted stream (cold caches, compilation)
 are not samples; nor are heartbeats.
 
+Plausibility. A payload can be valid and still absurd (1e12 prompt tokens in
+10 ms); weighted by ``1/y^2`` such a pass would outweigh everything learned. So a
+pass is *implausible*, counted by reason and never learned, when it breaks the hard
+limits of :class:`~stepscale_operator.load_types.PassLimits` (``size``, ``rate``),
+computes more than ``budget_factor`` times the largest pass its stream had before
+(``budget``; at least ``budget_floor`` tokens), or, once the model has
+``min_samples``, runs more than ``fast_factor`` times faster than predicted about the
+centre (``fast``; those residuals still enter the robust window, so an engine that
+really became that much faster moves the centre and is learned).
+
+Cost per sample. Accumulating a sample is O(d^2). The robust centre and scale
+(an O(window) median) are recomputed every ``robust_every`` residuals, and the
+pooled solve (O(buckets*d^2 + d^3)) every ``resolve_every`` samples until the model
+holds ``min_samples``, then every ``samples/64`` up to ``resolve_every_ready``
+(about the number of buckets), and on demand when predictions or coefficients are
+asked for: amortised O(d^2) per sample in steady state.
+
 Quality is measured prequentially: every pass is predicted before it is learned.
 """
 
@@ -73,6 +90,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -81,8 +99,9 @@ import numpy as np
 import numpy.typing as npt
 
 from stepscale_engine.wire import ScheduledRequestMetrics
+from stepscale_operator.load_types import implausible_passes, over_budget, tally_implausible
+from stepscale_operator.stream_state import StreamKey
 
-StreamKey = tuple[str, int]
 FloatArray = npt.NDArray[np.float64]
 
 SCHEMA = "stepscale.cost_model/v1"
@@ -237,6 +256,7 @@ class ModelQuality:
     heartbeats_ignored: int
     residual_scale: float  # robust (MAD) scale of log residuals, log(actual/predicted)
     std_errors: dict[str, float] = field(default_factory=dict)  # per coefficient, SI units
+    implausible_rejected: dict[str, int] = field(default_factory=dict)  # by reason
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (NaN becomes None)."""
@@ -245,6 +265,7 @@ class ModelQuality:
             if isinstance(value, float):
                 d[key] = _finite_or_none(value)
         d["std_errors"] = {k: _finite_or_none(v) for k, v in self.std_errors.items()}
+        d["implausible_rejected"] = dict(self.implausible_rejected)
         return d
 
 
@@ -258,6 +279,7 @@ class _StreamStats:
     sum_rel: float = 0.0  # exponentially weighted sums of relative residuals
     sum_abs_rel: float = 0.0
     last_clock: float = 0.0
+    budget: float = 0.0  # largest prefill tokens + decode requests of a learned pass
 
 
 class CostModel:
@@ -269,6 +291,7 @@ class CostModel:
         warmup_passes: int = 20,
         *,
         min_samples: int = 200,
+        min_regime_samples: int | None = None,
         bucket_floor: float | None = None,
         quality_window: int = 2000,
         robust_window: int = 2000,
@@ -280,6 +303,11 @@ class CostModel:
         drift_k: float = 1.0,
         drift_half_life_passes: float = 500.0,
         resolve_every: int = 16,
+        resolve_every_ready: int = 256,
+        robust_every: int = 64,
+        budget_factor: float = 4.0,
+        budget_floor: float = 65536.0,
+        fast_factor: float = 10.0,
         max_chunk: int = 2048,
         max_streams: int = 4096,
         stream_half_life_passes: float = 200.0,
@@ -291,6 +319,15 @@ class CostModel:
         self.half_life_passes = float(half_life_passes)
         self.warmup_passes = int(warmup_passes)
         self.min_samples = int(min_samples)
+        # Passes that must carry prefill (and, apart, decode) before predictions are
+        # trusted: the planner predicts both TTFT and ITL from this one model.
+        # Unless set, a tenth of min_samples (re-derived when min_samples changes).
+        self._min_regime_setting = None if min_regime_samples is None else int(min_regime_samples)
+        self.min_regime_samples = (
+            max(1, self.min_samples // 10)
+            if self._min_regime_setting is None
+            else self._min_regime_setting
+        )
         # Default floor: 1/2000 of the half-life (10 samples at the default), so that a
         # bucket keeps some knowledge forever but stale data never outweighs fresh: with
         # ~100 buckets in use, 1/200 (the old default) held more samples in the floors
@@ -309,6 +346,11 @@ class CostModel:
         self.drift_k = float(drift_k)
         self.drift_half_life_passes = float(drift_half_life_passes)
         self.resolve_every = max(1, int(resolve_every))
+        self.resolve_every_ready = max(self.resolve_every, int(resolve_every_ready))
+        self.robust_every = max(1, int(robust_every))
+        self.budget_factor = float(budget_factor)
+        self.budget_floor = float(budget_floor)
+        self._log_fast = math.log(max(float(fast_factor), 1.0))
         self.max_chunk = max(1, int(max_chunk))
         self.max_streams = int(max_streams)
         self.stream_half_life_passes = float(stream_half_life_passes)
@@ -342,6 +384,10 @@ class CostModel:
         self._r_ring = np.zeros(self.robust_window)
         self._r_len = 0
         self._r_pos = 0
+        self._r_since = 0  # residuals pushed since the centre and scale were computed
+        # Residuals the window needs before its median replaces the centre and scale
+        # (raised after a warm start so the restored ones hold for a while).
+        self._r_min = 20
         self._residual_scale = math.nan
         self._residual_center = 0.0
 
@@ -350,8 +396,10 @@ class CostModel:
         self.outliers_rejected = 0
         self.warmup_skipped = 0
         self.heartbeats_ignored = 0
+        self.implausible_rejected: dict[str, int] = {}
         self.updated_at: float | None = None
-        self._streams: dict[StreamKey, _StreamStats] = {}
+        # Least recently active first, so evicting the oldest stream is O(1).
+        self._streams: OrderedDict[StreamKey, _StreamStats] = OrderedDict()
 
     # -- learning --------------------------------------------------------------
 
@@ -421,6 +469,16 @@ class CostModel:
             return max(1, min(self.max_chunk, self.resolve_every))
         return self.max_chunk
 
+    def _resolve_period(self) -> int:
+        """Samples between solves: often while learning, then less as data accumulates.
+
+        Growing with the samples (1/64 of them, up to ``resolve_every_ready``) keeps
+        early predictions fresh and bounds the steady-state cost per sample.
+        """
+        if self.samples < self.min_samples:
+            return self.resolve_every
+        return min(self.resolve_every_ready, max(self.resolve_every, self.samples // 64))
+
     def _track_streams(
         self,
         wall: FloatArray,
@@ -442,7 +500,11 @@ class CostModel:
         for pos in uniq:
             key = streams[int(pos)]
             stats = self._streams.get(key)
-            slot_stats.append(stats if stats is not None else self._new_stream(key))
+            if stats is None:
+                stats = self._new_stream(key)
+            else:
+                self._streams.move_to_end(key)
+            slot_stats.append(stats)
         heartbeat = wall == 0.0
         is_pass = np.isfinite(wall) & (wall > 0.0)
         if counter_ids is None:
@@ -486,8 +548,7 @@ class CostModel:
 
     def _new_stream(self, key: StreamKey) -> _StreamStats:
         if len(self._streams) >= self.max_streams:
-            oldest = min(self._streams, key=lambda k: self._streams[k].last_clock)
-            del self._streams[oldest]
+            self._streams.popitem(last=False)  # the least recently active stream
         stats = self._streams[key] = _StreamStats()
         return stats
 
@@ -509,12 +570,21 @@ class CostModel:
         buckets = bucket_ids(sched)
         safe_pred = np.where(have_pred, pred, 1.0)
         log_res = np.where(have_pred, np.log(np.maximum(y, 1e-12) / safe_pred), np.nan)
+        used = sched[:, COL_PREFILL_TOKENS] + sched[:, COL_DECODE_REQS]
+        bad_input = self._implausible_input(sched, y, used, slot, slot_stats)
+        fast = self._implausibly_fast(log_res, ~bad_input)
+        learn = ~bad_input & ~fast
         # Robust from the first residual scale on, not only once ready: early stalls
         # would otherwise stay in the rarely visited (prefill) buckets for good.
-        robust = math.isfinite(self._residual_scale)
-        weight = self._robust_weights(rel, log_res, buckets) if robust else np.ones(y.shape[0])
+        weight = np.zeros(y.shape[0])
+        if math.isfinite(self._residual_scale):
+            weight[learn] = self._robust_weights(
+                rel[learn], log_res[learn], buckets[learn], self._uncovered(sched[learn])
+            )
+        else:
+            weight[learn] = 1.0
         accepted = weight > 0
-        self.outliers_rejected += int(np.count_nonzero(~accepted))
+        self.outliers_rejected += int(np.count_nonzero(learn & ~accepted))
 
         # Relative-error weighting by the *observed* time: weighting by the prediction
         # would up-weight exactly the passes the model under-predicts (stalls, regimes
@@ -522,6 +592,7 @@ class CostModel:
         w = weight / np.maximum(y, 1e-9) ** 2
 
         self._accumulate(x, y, w, accepted, buckets)
+        self._raise_budgets(used, accepted, slot, slot_stats)
 
         # Bookkeeping: regimes, residual scale, prequential window, per-stream residuals.
         regimes = regime_ids(sched[accepted])
@@ -529,17 +600,69 @@ class CostModel:
             self.regime_samples[REGIMES[int(r)]] += int(count)
         n_acc = int(np.count_nonzero(accepted))
         self.samples += n_acc
-        if have_pred.any():
-            self._push_residuals(log_res[have_pred])
+        # Surprisingly fast passes stay in the robust window: if the engine really became
+        # that fast, the centre moves and they are learned. Absurd input does not.
+        informative = have_pred & ~bad_input
+        if informative.any():
+            self._push_residuals(log_res[informative])
         if ready:
-            self._push_quality(y[have_pred], pred[have_pred])
-        self._update_stream_residuals(rel, accepted, slot, slot_stats)
+            self._push_quality(y[have_pred & learn], pred[have_pred & learn])
+        self._update_stream_residuals(rel, learn, accepted, slot, slot_stats)
 
         self._since_solve += n_acc
-        if self._coef is None or self._since_solve >= self.resolve_every:
+        if self._coef is None or self._since_solve >= self._resolve_period():
             self._solve()
         self.updated_at = self._clock()
         return np.where(have_pred, pred, np.nan)
+
+    def _implausible_input(
+        self,
+        sched: FloatArray,
+        y: FloatArray,
+        used: FloatArray,
+        slot: npt.NDArray[np.int64],
+        slot_stats: list[_StreamStats],
+    ) -> npt.NDArray[np.bool_]:
+        """Rows beyond hard limits or far beyond their stream's token budget (counted)."""
+        code = implausible_passes(sched, y)
+        budgets = np.array([s.budget for s in slot_stats])[slot]
+        beyond = (code == 0) & over_budget(used, budgets, self.budget_factor, self.budget_floor)
+        tally_implausible(self.implausible_rejected, code, beyond)
+        return (code > 0) | beyond
+
+    def _implausibly_fast(
+        self, log_res: FloatArray, eligible: npt.NDArray[np.bool_]
+    ) -> npt.NDArray[np.bool_]:
+        """``eligible`` rows more than ``fast_factor`` times faster than predicted (counted).
+
+        Only with ``min_samples`` learned and a robust centre: before that a pass
+        much faster than a rough early fit is information, not an attack.
+        """
+        if self.samples < self.min_samples or not math.isfinite(self._residual_scale):
+            return np.zeros(log_res.shape[0], dtype=bool)
+        excess = np.nan_to_num(log_res - self._residual_center, nan=0.0)
+        fast = eligible & (excess < -self._log_fast)
+        if fast.any():
+            self.implausible_rejected["fast"] = self.implausible_rejected.get("fast", 0) + int(
+                np.count_nonzero(fast)
+            )
+        return fast
+
+    def _raise_budgets(
+        self,
+        used: FloatArray,
+        accepted: npt.NDArray[np.bool_],
+        slot: npt.NDArray[np.int64],
+        slot_stats: list[_StreamStats],
+    ) -> None:
+        """Grow each stream's token budget to the largest pass it had accepted."""
+        if not accepted.any():
+            return
+        largest = np.zeros(len(slot_stats))
+        np.maximum.at(largest, slot[accepted], used[accepted])
+        for j in np.flatnonzero(largest):
+            stats = slot_stats[int(j)]
+            stats.budget = max(stats.budget, float(largest[j]))
 
     def _accumulate(
         self,
@@ -647,7 +770,11 @@ class CostModel:
             self._std_err = np.full(N_FEATURES, np.nan)
 
     def _robust_weights(
-        self, rel: FloatArray, log_res: FloatArray, buckets: npt.NDArray[np.int64]
+        self,
+        rel: FloatArray,
+        log_res: FloatArray,
+        buckets: npt.NDArray[np.int64],
+        uncovered: npt.NDArray[np.bool_],
     ) -> FloatArray:
         """Huber weights about the residual centre; passes far on the slow side get 0.
 
@@ -658,7 +785,10 @@ class CostModel:
         persistently slower engine moves the median and is learned. A pass that is
         faster than predicted is never rejected (the fit is too high; let it learn).
         Buckets with little data, or that the gate keeps rejecting, get a wider gate,
-        so a regime the model has not learned yet is not mistaken for a stall.
+        so a regime the model has not learned yet is not mistaken for a stall; passes
+        of a regime with fewer than ``min_regime_samples`` learned (``uncovered``) are
+        never gated: the model cannot know their cost yet (after a long decode-only
+        stretch, a prefill pass can be 10x slower than predicted and still be right).
         """
         scale = self._residual_scale
         n = log_res.shape[0]
@@ -679,21 +809,32 @@ class CostModel:
         gate = self.reject_k * scale
         # Untrusted buckets get a wider gate (3x, in log units: e.g. 3x slower rather
         # than 1.35x): wide enough for an unlearned regime, not for a full stall.
-        rejected = np.where(trusted, excess > gate, excess > 3.0 * gate)
+        rejected = np.where(trusted, excess > gate, excess > 3.0 * gate) & ~uncovered
         weight[rejected] = 0.0
         self._track_reject_rate(buckets, rejected)
         return weight
 
+    def _uncovered(self, sched: FloatArray) -> npt.NDArray[np.bool_]:
+        """Rows of a regime (prefill- or decode-bearing) the model has not covered yet."""
+        need = self.min_regime_samples
+        prefill = (sched[:, COL_PREFILL_TOKENS] > 0) & (self.prefill_bearing_samples < need)
+        decode = (sched[:, COL_DECODE_REQS] > 0) & (self.decode_bearing_samples < need)
+        return np.asarray(prefill | decode)
+
     def _track_reject_rate(
         self, buckets: npt.NDArray[np.int64], rejected: npt.NDArray[np.bool_]
     ) -> None:
-        """Per-bucket exponentially weighted rejection rate (chunk-level approximation)."""
-        nb = N_BUCKETS + 1
-        n = np.bincount(buckets, minlength=nb).astype(np.float64)
-        hit = np.flatnonzero(n)
-        k = np.bincount(buckets, weights=rejected.astype(np.float64), minlength=nb)
-        keep = self._misfit_decay ** n[hit]
-        self._reject_rate[hit] = self._reject_rate[hit] * keep + (1.0 - keep) * k[hit] / n[hit]
+        """Per-bucket exponentially weighted rejection rate (chunk-level approximation).
+
+        O(chunk), not O(buckets): only the buckets present are touched.
+        """
+        if buckets.shape[0] == 0:
+            return
+        hit, inverse, counts = np.unique(buckets, return_inverse=True, return_counts=True)
+        n = counts.astype(np.float64)
+        k = np.bincount(inverse, weights=rejected.astype(np.float64), minlength=hit.shape[0])
+        keep = self._misfit_decay**n
+        self._reject_rate[hit] = self._reject_rate[hit] * keep + (1.0 - keep) * k / n
 
     def _push_residuals(self, log_res: FloatArray) -> None:
         for chunk_start in range(0, log_res.shape[0], self.robust_window):
@@ -702,15 +843,24 @@ class CostModel:
             self._r_ring[idx] = part
             self._r_pos = int((self._r_pos + part.shape[0]) % self.robust_window)
             self._r_len = min(self.robust_window, self._r_len + part.shape[0])
-        if self._r_len >= 20:
-            ring = self._r_ring[: self._r_len]
-            # Median and MAD about it over a long window: robust to stall runs, but a
-            # persistently changed engine shifts the median and re-opens the gate.
-            center = float(np.median(ring))
-            mad = float(np.median(np.abs(ring - center)))
-            self._residual_center = center
-            # Floor at 1% so noise-free data does not turn every rounding error into an outlier.
-            self._residual_scale = max(1.4826 * mad, 0.01)
+        self._r_since += log_res.shape[0]
+        # The median is O(window): recompute it every robust_every residuals (sooner
+        # while the window is short), so a sample costs O(window / robust_every).
+        due = self._r_since >= min(self.robust_every, max(1, self._r_len // 4))
+        if self._r_len >= self._r_min and (due or not math.isfinite(self._residual_scale)):
+            self._update_robust_scale()
+
+    def _update_robust_scale(self) -> None:
+        """Median and MAD of the residual window: the gate's centre and scale."""
+        self._r_since = 0
+        ring = self._r_ring[: self._r_len]
+        # Median and MAD about it over a long window: robust to stall runs, but a
+        # persistently changed engine shifts the median and re-opens the gate.
+        center = float(np.median(ring))
+        mad = float(np.median(np.abs(ring - center)))
+        self._residual_center = center
+        # Floor at 1% so noise-free data does not turn every rounding error into an outlier.
+        self._residual_scale = max(1.4826 * mad, 0.01)
 
     def _push_quality(self, y: FloatArray, pred: FloatArray) -> None:
         k = y.shape[0]
@@ -728,17 +878,19 @@ class CostModel:
     def _update_stream_residuals(
         self,
         rel: FloatArray,
+        learn: npt.NDArray[np.bool_],
         accepted: npt.NDArray[np.bool_],
         slot: npt.NDArray[np.int64],
         slot_stats: list[_StreamStats],
     ) -> None:
+        """Per-stream sample, outlier and residual tallies (implausible rows left out)."""
         n_slots = len(slot_stats)
-        finite = np.isfinite(rel)
-        counts = np.bincount(slot, minlength=n_slots)
+        finite = np.isfinite(rel) & learn
+        counts = np.bincount(slot[learn], minlength=n_slots)
         pred_counts = np.bincount(slot[finite], minlength=n_slots)
         sum_rel = np.bincount(slot[finite], weights=rel[finite], minlength=n_slots)
         sum_abs = np.bincount(slot[finite], weights=np.abs(rel[finite]), minlength=n_slots)
-        outliers = np.bincount(slot[~accepted], minlength=n_slots)
+        outliers = np.bincount(slot[learn & ~accepted], minlength=n_slots)
         for s in np.flatnonzero(counts):
             stats = slot_stats[int(s)]
             stats.samples += int(counts[s] - outliers[s])
@@ -756,8 +908,27 @@ class CostModel:
 
     @property
     def ready(self) -> bool:
-        """True once enough passes were learned to trust predictions."""
-        return self._coef is not None and self.samples >= self.min_samples
+        """True once enough passes were learned, prefill and decode ones both, to trust it.
+
+        Counting passes alone is not enough: 200 decode-only passes leave the prefill
+        coefficients untrained, and the planner predicts TTFT from them.
+        """
+        return (
+            self._coef is not None
+            and self.samples >= self.min_samples
+            and self.prefill_bearing_samples >= self.min_regime_samples
+            and self.decode_bearing_samples >= self.min_regime_samples
+        )
+
+    @property
+    def prefill_bearing_samples(self) -> int:
+        """Learned passes that computed prompt tokens (prefill-only and mixed)."""
+        return self.regime_samples["prefill_only"] + self.regime_samples["mixed"]
+
+    @property
+    def decode_bearing_samples(self) -> int:
+        """Learned passes that decoded (decode-only and mixed)."""
+        return self.regime_samples["decode_only"] + self.regime_samples["mixed"]
 
     def _current_coef(self) -> FloatArray | None:
         if self._since_solve > 0:
@@ -826,6 +997,7 @@ class CostModel:
             heartbeats_ignored=self.heartbeats_ignored,
             residual_scale=self._residual_scale,
             std_errors=self.std_errors,
+            implausible_rejected=dict(self.implausible_rejected),
         )
 
     def formula(self) -> str:
@@ -886,14 +1058,24 @@ class CostModel:
                 "warmup_passes": self.warmup_passes,
                 "min_samples": self.min_samples,
                 "bucket_floor": self.bucket_floor,
+                **(
+                    {"min_regime_samples": self._min_regime_setting}
+                    if self._min_regime_setting is not None
+                    else {}
+                ),
             },
-            # Pooled sufficient statistics in the internal (scaled) basis: 6x6 + 6 + 2 numbers.
+            # Pooled sufficient statistics in the internal (scaled) basis: 6x6 + 6 + 2
+            # numbers, and the outlier gate's centre and scale (so a restored model
+            # keeps rejecting stalls from its first pass).
             "state": {
                 "scales": [f.scale for f in FEATURES],
                 "gram": self._gram.sum(axis=0).tolist(),
                 "xty": self._xty.sum(axis=0).tolist(),
                 "yty": float(self._yty.sum()),
                 "n_eff": float(self._count.sum()),
+                "residual_center": self._residual_center,
+                "residual_scale": _finite_or_none(self._residual_scale),
+                "residual_count": self._r_len,
             },
         }
 
@@ -906,36 +1088,149 @@ class CostModel:
         The saved statistics become one extra bucket worth at most
         ``warm_start_weight`` passes, which fades out with the half-life: the
         restored coefficients hold until new passes arrive, then new passes
-        (perhaps from a changed engine) take over within a few thousand.
+        (perhaps from a changed engine) take over within a few thousand. The
+        outlier gate's centre and scale and the counters are restored too; the
+        gate's window refills before its own median replaces them.
+
+        Raises ValueError, naming the field, for a snapshot that is not one or is
+        malformed (wrong shapes, non-finite or negative numbers).
         """
-        if d.get("schema") != SCHEMA:
-            raise ValueError(f"not a cost model snapshot: schema {d.get('schema')!r}")
-        names = [c["name"] for c in d["coefficients"]]
-        if names != list(FEATURE_NAMES):
-            raise ValueError(f"feature set {names} does not match {list(FEATURE_NAMES)}")
-        config = {**d.get("config", {}), **overrides}
+        snap = _Snapshot(d)
+        snap.check_features()
+        config = {**snap.config(), **overrides}
         model = cls(**config)
-        state = d["state"]
-        scales = np.asarray(state["scales"], dtype=np.float64)
-        if scales.shape != _SCALES.shape:
-            raise ValueError("state has the wrong dimension")
+        state = snap.mapping("state")
+        scales = snap.vector(state, "state.scales", N_FEATURES)
+        if (scales <= 0).any():
+            raise ValueError("cost model snapshot: state.scales must be positive")
         # Re-express in the current scaling should it ever change.
         ratio = scales / _SCALES
-        gram = np.asarray(state["gram"], dtype=np.float64) * np.outer(ratio, ratio)
-        xty = np.asarray(state["xty"], dtype=np.float64) * ratio
-        if gram.shape != (N_FEATURES, N_FEATURES) or not np.isfinite(gram).all():
-            raise ValueError("state gram matrix is malformed")
-        n_eff = float(state["n_eff"])
+        gram = snap.matrix(state, "state.gram", (N_FEATURES, N_FEATURES)) * np.outer(ratio, ratio)
+        if (np.diag(gram) < 0).any():
+            raise ValueError("cost model snapshot: state.gram has a negative diagonal")
+        xty = snap.vector(state, "state.xty", N_FEATURES) * ratio
+        yty = snap.number(state, "state.yty", minimum=0.0)
+        n_eff = snap.number(state, "state.n_eff", minimum=0.0)
         shrink = min(1.0, warm_start_weight / n_eff) if n_eff > 0 else 0.0
         model._gram[_PRIOR_BUCKET] = gram * shrink
         model._xty[_PRIOR_BUCKET] = xty * shrink
-        model._yty[_PRIOR_BUCKET] = float(state["yty"]) * shrink
+        model._yty[_PRIOR_BUCKET] = yty * shrink
         model._count[_PRIOR_BUCKET] = n_eff * shrink
-        model.samples = int(d.get("samples", 0))
-        for regime, count in d.get("regime_samples", {}).items():
-            if regime in model.regime_samples:
-                model.regime_samples[regime] = int(count)
-        model.updated_at = d.get("updated_at")
+        model._restore_gate(snap, state)
+        model._restore_counters(snap)
         if model._count[_PRIOR_BUCKET] > 0:
             model._solve()
         return model
+
+    def _restore_gate(self, snap: _Snapshot, state: dict[str, Any]) -> None:
+        """The outlier gate's centre and scale, held until the window refills."""
+        if state.get("residual_scale") is None:
+            return  # saved before any residual (or by an older version): learn afresh
+        self._residual_center = snap.number(state, "state.residual_center")
+        self._residual_scale = snap.number(state, "state.residual_scale", minimum=1e-12)
+        count = int(snap.number(state, "state.residual_count", minimum=0.0, default=0.0))
+        # Keep them until a quarter of the window (or what they came from) is new.
+        self._r_min = max(20, min(self.robust_window // 4, count))
+
+    def _restore_counters(self, snap: _Snapshot) -> None:
+        self.samples = snap.count(snap.raw, "samples")
+        regimes = snap.mapping("regime_samples", optional=True)
+        for regime in self.regime_samples.keys() & regimes.keys():
+            self.regime_samples[regime] = snap.count(regimes, f"regime_samples.{regime}")
+        quality = snap.mapping("quality", optional=True)
+        self.outliers_rejected = snap.count(quality, "quality.outliers_rejected")
+        self.warmup_skipped = snap.count(quality, "quality.warmup_skipped")
+        self.heartbeats_ignored = snap.count(quality, "quality.heartbeats_ignored")
+        implausible = quality.get("implausible_rejected") or {}
+        if not isinstance(implausible, dict):
+            raise ValueError("cost model snapshot: quality.implausible_rejected must be a mapping")
+        self.implausible_rejected = {
+            str(k): snap.count(implausible, f"quality.implausible_rejected.{k}")
+            for k in implausible
+        }
+        updated = snap.raw.get("updated_at")
+        self.updated_at = snap.number(snap.raw, "updated_at") if updated is not None else None
+
+
+_CONFIG_KEYS = frozenset(
+    {"half_life_passes", "warmup_passes", "min_samples", "min_regime_samples", "bucket_floor"}
+)
+
+
+class _Snapshot:
+    """Checked access to a :meth:`CostModel.to_dict` snapshot; errors name the field."""
+
+    def __init__(self, raw: object) -> None:
+        if not isinstance(raw, dict):
+            raise ValueError("cost model snapshot must be a mapping")
+        if raw.get("schema") != SCHEMA:
+            raise ValueError(f"not a cost model snapshot: schema {raw.get('schema')!r}")
+        self.raw: dict[str, Any] = raw
+
+    def check_features(self) -> None:
+        coefficients = self.raw.get("coefficients")
+        if not isinstance(coefficients, list) or not all(isinstance(c, dict) for c in coefficients):
+            raise ValueError("cost model snapshot: coefficients must be a list of mappings")
+        names = [c.get("name") for c in coefficients]
+        if names != list(FEATURE_NAMES):
+            raise ValueError(f"feature set {names} does not match {list(FEATURE_NAMES)}")
+
+    def config(self) -> dict[str, Any]:
+        """The known constructor settings (unknown keys from newer versions are ignored)."""
+        config = self.mapping("config", optional=True)
+        out: dict[str, Any] = {}
+        for key in _CONFIG_KEYS & config.keys():
+            if config[key] is not None:
+                out[key] = self.number(config, f"config.{key}", minimum=0.0)
+        return out
+
+    def mapping(self, key: str, optional: bool = False) -> dict[str, Any]:
+        value = self.raw.get(key)
+        if value is None and optional:
+            return {}
+        if not isinstance(value, dict):
+            raise ValueError(f"cost model snapshot: {key} must be a mapping")
+        return value
+
+    @staticmethod
+    def number(
+        where: dict[str, Any], name: str, minimum: float | None = None, default: float | None = None
+    ) -> float:
+        """A finite number (at least ``minimum``); ``name``'s last part is the key."""
+        value = where.get(name.rsplit(".", 1)[-1], default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"cost model snapshot: {name} must be a number, not {value!r}")
+        f = float(value)
+        if not math.isfinite(f) or (minimum is not None and f < minimum):
+            raise ValueError(f"cost model snapshot: {name} = {value!r} is out of range")
+        return f
+
+    @staticmethod
+    def count(where: dict[str, Any], name: str) -> int:
+        """A non-negative whole number (absent or null: 0)."""
+        value = where.get(name.rsplit(".", 1)[-1], 0)
+        if value is None:
+            return 0
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value < 0 or value != int(value):
+            raise ValueError(f"cost model snapshot: {name} must be a count, not {value!r}")
+        return int(value)
+
+    @staticmethod
+    def _array(where: dict[str, Any], name: str, shape: tuple[int, ...]) -> FloatArray:
+        value = where.get(name.rsplit(".", 1)[-1])
+        try:
+            arr = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cost model snapshot: {name} is not numeric: {exc}") from None
+        if arr.shape != shape:
+            raise ValueError(f"cost model snapshot: {name} has shape {arr.shape}, not {shape}")
+        if not np.isfinite(arr).all():
+            raise ValueError(f"cost model snapshot: {name} holds non-finite numbers")
+        return arr
+
+    def vector(self, where: dict[str, Any], name: str, n: int) -> FloatArray:
+        return self._array(where, name, (n,))
+
+    def matrix(self, where: dict[str, Any], name: str, shape: tuple[int, int]) -> FloatArray:
+        return self._array(where, name, shape)

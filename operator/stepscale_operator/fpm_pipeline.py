@@ -110,7 +110,7 @@ class MessageBatch(list[ForwardPassMetrics]):
 class IngestResult:
     """What one :meth:`DeploymentModel.ingest` call did."""
 
-    messages: int
+    messages: int  # accepted (duplicates excluded)
     passes: int
     heartbeats: int
     restarted: tuple[StreamKey, ...]
@@ -158,19 +158,24 @@ class DeploymentModel:
         matrices = msgs.matrices if isinstance(msgs, MessageBatch) else None
         if matrices is None or len(matrices) != len(msgs):
             matrices = PassMatrices.from_messages(msgs)
-        wall = matrices.wall
         with self._lock:
             restarted: tuple[StreamKey, ...] = ()
             if self.observe_streams:
-                restarted = self.streams.observe_columns(
-                    matrices.keys, matrices.counters, wall, now
-                ).restarted
+                seen = self.streams.observe_columns(
+                    matrices.keys, matrices.counters, matrices.wall, now
+                )
+                restarted = seen.restarted
+                if not seen.all_accepted:
+                    # Duplicates were counted by the table; learning them twice would
+                    # double-count their passes in the model and the load.
+                    matrices = matrices.select(seen.mask)
+            wall = matrices.wall
             # Heartbeats go in too: they are not samples, but their sequence numbers
             # show the model when a stream restarted.
             self.cost_model.update_batch(matrices.sched, wall, matrices.keys, matrices.counters)
             self.load.observe_matrices(matrices.keys, wall, matrices.sched, matrices.queued, now)
         passes = int(np.count_nonzero(wall > 0.0))
-        return IngestResult(len(msgs), passes, len(msgs) - passes, restarted)
+        return IngestResult(len(matrices), passes, len(matrices) - passes, restarted)
 
     def on_batch(self, msgs: list[ForwardPassMetrics]) -> None:
         """Sink for :class:`~stepscale_operator.subscriber.FpmSubscriber`."""

@@ -4,8 +4,12 @@ Every stream keeps a ring of per-``bucket_s`` sums (bounded memory whatever the
 message rate); :meth:`LoadEstimator.estimate` sums the buckets inside the window.
 Rates are per wall-clock second: a stream's sums are divided by the time it was
 observed within the window (``min(window_s, now - first_seen)``), then summed
-over fresh streams. Stale or never-seen streams are reported as missing, never
-as zero load. Heartbeats count as liveness only.
+over fresh streams. Stale or never-seen streams are reported as missing (and
+named), never as zero load; with no fresh stream at all the estimate's values are
+unavailable (null in :meth:`LoadEstimate.to_dict`). Heartbeats count as liveness
+only. Implausible passes (:func:`~stepscale_operator.load_types.implausible_passes`,
+or far beyond their stream's token budget) count as liveness only too, and are
+counted by reason in :attr:`LoadEstimator.rejected`.
 
 Approximations the wire format forces on us (it carries per-pass aggregates, not
 per-request data), documented here because the planner relies on them:
@@ -26,13 +30,18 @@ per-request data), documented here because the planner relies on them:
   length uses those passes (all passes if there are none).
 * Decode tokens. One generated token per decode request per pass (no speculative
   decoding; a prefill's final chunk also emits a token, not counted here).
-* Queues. The latest pass's queue of each fresh stream; a heartbeat (idle engine)
-  means an empty queue.
+* Queues. The latest pass's queue of each fresh stream (``queued_*``, what a
+  burst detector wants), and its time-weighted mean over the window
+  (``queued_*_mean``: each value holds until the stream's next message, at most
+  ``stale_after_s``); a heartbeat (idle engine) means an empty queue.
+* Trends. Least-squares slope over ``trend_subwindows`` equal parts of the window,
+  of the token rates and of the mean queues.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,9 +52,14 @@ from stepscale_engine.wire import (
     QueuedRequestMetrics,
     ScheduledRequestMetrics,
 )
-from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.load_types import (
+    LoadEstimate,
+    implausible_passes,
+    over_budget,
+    tally_implausible,
+)
+from stepscale_operator.stream_state import DEFAULT_STALE_AFTER_S, StreamKey, stream_label
 
-StreamKey = tuple[str, int]
 FloatArray = npt.NDArray[np.float64]
 
 _SCHED = tuple(ScheduledRequestMetrics.__struct_fields__)
@@ -58,6 +72,7 @@ _S_KVDEC = _SCHED.index("sum_decode_kv_tokens")
 _Q_NPRE = _QUEUED.index("num_prefill_requests")
 _Q_TPRE = _QUEUED.index("sum_prefill_tokens")
 _Q_NDEC = _QUEUED.index("num_decode_requests")
+_Q_COLS = [_Q_NPRE, _Q_TPRE, _Q_NDEC]  # what a stream's latest queue keeps
 
 # Columns of a per-bucket sum.
 (
@@ -72,9 +87,43 @@ _Q_NDEC = _QUEUED.index("num_decode_requests")
     _PROMPT_REQS_FINAL,
     _PROMPT_TOKENS_ALL,
     _PROMPT_REQS_ALL,
-) = range(11)
-_N_COLS = 11
+    _QS_PREFILL_REQS,  # queue x seconds: integrals that give time-weighted mean queues
+    _QS_PREFILL_TOKENS,
+    _QS_DECODE_REQS,
+) = range(14)
+_N_COLS = 14
+_QS_COLS = [_QS_PREFILL_REQS, _QS_PREFILL_TOKENS, _QS_DECODE_REQS]
+# Columns whose trend is reported, in LoadEstimate order.
+_TREND_COLS = [_PREFILL_TOKENS, _DECODE_TOKENS, _QS_PREFILL_TOKENS, _QS_DECODE_REQS]
 FULL_BUDGET_FRACTION = 0.95
+
+# Fields that need at least one fresh stream.
+_NEEDS_FRESH = frozenset(
+    {
+        "prefill_tokens_per_s",
+        "prefill_cached_tokens_per_s",
+        "prefill_requests_per_s",
+        "decode_tokens_per_s",
+        "mean_prompt_tokens",
+        "mean_decode_context_tokens",
+        "prefix_cache_hit_fraction",
+        "queued_prefill_requests",
+        "queued_prefill_tokens",
+        "queued_decode_requests",
+        "queued_prefill_requests_mean",
+        "queued_prefill_tokens_mean",
+        "queued_decode_requests_mean",
+        "busy_fraction",
+    }
+)
+_TREND_FIELDS = frozenset(
+    {
+        "prefill_tokens_per_s_trend",
+        "decode_tokens_per_s_trend",
+        "queued_prefill_tokens_trend",
+        "queued_decode_requests_trend",
+    }
+)
 
 
 def load_matrices(msgs: Sequence[ForwardPassMetrics]) -> tuple[FloatArray, FloatArray]:
@@ -94,11 +143,13 @@ class LoadEstimator:
     def __init__(
         self,
         window_s: float = 30.0,
-        stale_after_s: float = 3.0,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
         *,
         bucket_s: float = 1.0,
         trend_subwindows: int = 6,
         max_streams: int = 4096,
+        budget_factor: float = 4.0,
+        budget_floor: float = 65536.0,
     ) -> None:
         if window_s <= 0 or bucket_s <= 0 or window_s < bucket_s:
             raise ValueError("need 0 < bucket_s <= window_s")
@@ -107,18 +158,23 @@ class LoadEstimator:
         self.bucket_s = float(bucket_s)
         self.trend_subwindows = max(2, int(trend_subwindows))
         self.max_streams = int(max_streams)
+        self.budget_factor = float(budget_factor)
+        self.budget_floor = float(budget_floor)
         self._n_window = int(math.ceil(self.window_s / self.bucket_s))
         self._ring_len = self._n_window + 1
-        self._slots: dict[StreamKey, int] = {}
+        # Least recently seen first, so evicting the longest-silent stream is O(1).
+        self._slots: OrderedDict[StreamKey, int] = OrderedDict()
         cap = 8
         self._free: list[int] = list(range(cap - 1, -1, -1))
         self._bucket_id = np.full((cap, self._ring_len), -1, dtype=np.int64)
         self._sums = np.zeros((cap, self._ring_len, _N_COLS))
         self._first_seen = np.full(cap, np.nan)
         self._last_seen = np.full(cap, np.nan)
-        self._queued = np.zeros((cap, 3))  # prefill requests, prefill tokens, decode requests
+        self._queued = np.zeros((cap, 3))  # latest: prefill requests, prefill tokens, decode reqs
+        self._q_time = np.full(cap, np.nan)  # when the latest queue was reported
         self._budget = np.zeros(cap)  # largest prefill_tokens + decode_requests seen
         self._prev_full = np.zeros(cap, dtype=bool)
+        self.rejected: dict[str, int] = {}  # implausible messages by reason
 
     # -- membership ------------------------------------------------------------
 
@@ -139,16 +195,14 @@ class LoadEstimator:
         return list(self._slots)
 
     def _slot(self, key: StreamKey) -> int:
+        """The slot of ``key``, made most recently used; creates it if new."""
         slot = self._slots.get(key)
         if slot is not None:
+            self._slots.move_to_end(key)
             return slot
         if len(self._slots) >= self.max_streams:
-            # Bounded memory: forget the stream silent for longest.
-            oldest = min(
-                self._slots,
-                key=lambda k: np.nan_to_num(self._last_seen[self._slots[k]], nan=-np.inf),
-            )
-            self.remove_stream(oldest)
+            # Bounded memory: forget the stream silent for longest (front of the LRU order).
+            self.remove_stream(next(iter(self._slots)))
         if not self._free:
             self._grow()
         slot = self._free.pop()
@@ -166,6 +220,7 @@ class LoadEstimator:
         self._first_seen = np.r_[self._first_seen, np.full(pad, np.nan)]
         self._last_seen = np.r_[self._last_seen, np.full(pad, np.nan)]
         self._queued = np.vstack([self._queued, np.zeros((pad, 3))])
+        self._q_time = np.r_[self._q_time, np.full(pad, np.nan)]
         self._budget = np.r_[self._budget, np.zeros(pad)]
         self._prev_full = np.r_[self._prev_full, np.zeros(pad, dtype=bool)]
         self._free.extend(range(2 * old - 1, old - 1, -1))
@@ -176,6 +231,7 @@ class LoadEstimator:
         self._first_seen[slot] = np.nan
         self._last_seen[slot] = np.nan
         self._queued[slot] = 0.0
+        self._q_time[slot] = np.nan
         self._budget[slot] = 0.0
         self._prev_full[slot] = False
 
@@ -223,7 +279,32 @@ class LoadEstimator:
         pos = np.fromiter(map(first_pos.setdefault, keys, range(n)), np.int64, n)
         uniq, inverse = np.unique(pos, return_inverse=True)
         slots = np.array([self._slot(keys[int(p)]) for p in uniq], dtype=np.int64)
-        self._accumulate(slots[inverse], wall, sched, queued, now)
+        # Every message is liveness, even one whose content is not believed.
+        first_time = np.isnan(self._first_seen[slots])
+        self._first_seen[slots[first_time]] = now
+        self._last_seen[slots] = now
+        row_slot = slots[inverse]
+        ok = self._plausible(row_slot, wall, sched, queued)
+        if ok.all():
+            self._accumulate(row_slot, wall, sched, queued, now)
+        elif ok.any():
+            self._accumulate(row_slot[ok], wall[ok], sched[ok], queued[ok], now)
+
+    def _plausible(
+        self,
+        slot: npt.NDArray[np.int64],
+        wall: FloatArray,
+        sched: FloatArray,
+        queued: FloatArray,
+    ) -> npt.NDArray[np.bool_]:
+        """Rows to learn from: within hard limits and their stream's token budget."""
+        code = implausible_passes(sched, wall, queued)
+        used = sched[:, _S_CPRE] + sched[:, _S_NDEC]
+        beyond = (code == 0) & over_budget(
+            used, self._budget[slot], self.budget_factor, self.budget_floor
+        )
+        tally_implausible(self.rejected, code, beyond)
+        return (code == 0) & ~beyond
 
     def _accumulate(
         self,
@@ -240,15 +321,13 @@ class LoadEstimator:
         streams = sl[starts]
         w, s, q = wall[order], sched[order], queued[order]
 
-        # Liveness and latest queue, heartbeats included (a heartbeat means an empty queue).
-        first_time = np.isnan(self._first_seen[streams])
-        self._first_seen[streams[first_time]] = now
-        self._last_seen[streams] = now
+        # The previous queue of each stream held until now: integrate it (time-weighted
+        # mean), then keep this batch's latest (a heartbeat means an empty queue).
+        queue_seconds = self._queued[streams] * self._held_for(streams, now)[:, None]
         last = ends - 1
         is_pass_last = w[last] > 0
-        self._queued[streams] = np.where(
-            is_pass_last[:, None], q[last][:, [_Q_NPRE, _Q_TPRE, _Q_NDEC]], 0.0
-        )
+        self._queued[streams] = np.where(is_pass_last[:, None], q[last][:, _Q_COLS], 0.0)
+        self._q_time[streams] = now
 
         is_pass = w > 0
         c = np.where(is_pass, s[:, _S_CPRE], 0.0)
@@ -282,6 +361,7 @@ class LoadEstimator:
         cols[:, _PROMPT_TOKENS_ALL] = np.where(has_prefill, c + k, 0.0)
         cols[:, _PROMPT_REQS_ALL] = np.where(has_prefill, n_pre, 0.0)
         per_stream = np.add.reduceat(cols, starts, axis=0)
+        per_stream[:, _QS_COLS] = queue_seconds
 
         bucket = int(math.floor(now / self.bucket_s))
         pos = bucket % self._ring_len
@@ -290,57 +370,82 @@ class LoadEstimator:
         self._bucket_id[streams, pos] = bucket
         self._sums[streams, pos] += per_stream
 
+    def _held_for(self, slots: npt.NDArray[np.int64], now: float) -> FloatArray:
+        """Seconds each stream's latest queue has held (0 if none; capped at staleness)."""
+        since = now - self._q_time[slots]
+        return np.where(np.isnan(since), 0.0, np.clip(since, 0.0, self.stale_after_s))
+
     # -- estimation ------------------------------------------------------------
 
     def estimate(self, now: float) -> LoadEstimate:
         """Fleet load over the last ``window_s`` seconds; missing streams are flagged."""
-        slots = np.fromiter(self._slots.values(), np.int64, len(self._slots))
+        keys = list(self._slots)
+        slots = np.fromiter(self._slots.values(), np.int64, len(keys))
         last_seen = self._last_seen[slots]
         fresh_mask = ~np.isnan(last_seen) & (now - np.nan_to_num(last_seen) <= self.stale_after_s)
         fresh = slots[fresh_mask]
-        total, missing = int(slots.shape[0]), int(slots.shape[0] - fresh.shape[0])
+        missing = tuple(
+            sorted(stream_label(k) for k, ok in zip(keys, fresh_mask, strict=True) if not ok)
+        )
 
         bucket = int(math.floor(now / self.bucket_s))
         oldest = bucket - self._n_window + 1
         ids = self._bucket_id[fresh]  # (f, ring)
         in_window = (ids >= oldest) & (ids <= bucket)
         sums = np.where(in_window[:, :, None], self._sums[fresh], 0.0)  # (f, ring, cols)
+        # The queue each fresh stream reports now has held since its last message.
+        partial = np.zeros((fresh.shape[0], _N_COLS))
+        partial[:, _QS_COLS] = self._queued[fresh] * self._held_for(fresh, now)[:, None]
         window_start = max(now - self.window_s, oldest * self.bucket_s)
         span = np.maximum(now - np.maximum(self._first_seen[fresh], window_start), self.bucket_s)
-        per_stream = sums.sum(axis=1)  # (f, cols)
-        rates = (per_stream / span[:, None]).sum(axis=0) if fresh.size else np.zeros(_N_COLS)
-        totals = per_stream.sum(axis=0) if fresh.size else np.zeros(_N_COLS)
+        per_stream = sums.sum(axis=1) + partial  # (f, cols)
+        rates = (per_stream / span[:, None]).sum(axis=0)  # zeros when nothing is fresh
+        totals = per_stream.sum(axis=0)
 
+        unavailable = set() if fresh.size else set(_NEEDS_FRESH)
         prefill = float(rates[_PREFILL_TOKENS])
         cached = float(rates[_PREFILL_CACHED])
-        if totals[_PROMPT_REQS_FINAL] > 0:
-            mean_prompt = totals[_PROMPT_TOKENS_FINAL] / totals[_PROMPT_REQS_FINAL]
-        elif totals[_PROMPT_REQS_ALL] > 0:
-            mean_prompt = totals[_PROMPT_TOKENS_ALL] / totals[_PROMPT_REQS_ALL]
-        else:
-            mean_prompt = 0.0
-        decode_ctx = (
-            totals[_DECODE_KV] / totals[_DECODE_TOKENS] if totals[_DECODE_TOKENS] > 0 else 0.0
-        )
-        queued = self._queued[fresh].sum(axis=0) if fresh.size else np.zeros(3)
-        prefill_trend, decode_trend = self._trends(ids, in_window, sums, now, bucket)
+        mean_prompt = _ratio(totals[_PROMPT_TOKENS_FINAL], totals[_PROMPT_REQS_FINAL])
+        if mean_prompt is None:
+            mean_prompt = _ratio(totals[_PROMPT_TOKENS_ALL], totals[_PROMPT_REQS_ALL])
+        decode_ctx = _ratio(totals[_DECODE_KV], totals[_DECODE_TOKENS])
+        hit_fraction = _ratio(cached, cached + prefill)
+        for name, value in (
+            ("mean_prompt_tokens", mean_prompt),
+            ("mean_decode_context_tokens", decode_ctx),
+            ("prefix_cache_hit_fraction", hit_fraction),
+        ):
+            if value is None:
+                unavailable.add(name)
+        trends = self._trends(ids, in_window, sums, partial.sum(axis=0), now, bucket)
+        if trends is None:
+            unavailable |= _TREND_FIELDS
+            trends = np.zeros(len(_TREND_COLS))
+        queued = self._queued[fresh].sum(axis=0)
         return LoadEstimate(
             window_s=self.window_s,
-            streams_total=total,
-            streams_missing=missing,
+            streams_total=len(keys),
+            streams_missing=len(missing),
             prefill_tokens_per_s=prefill,
             prefill_cached_tokens_per_s=cached,
             prefill_requests_per_s=float(rates[_PREFILL_FINISHED]),
             decode_tokens_per_s=float(rates[_DECODE_TOKENS]),
-            mean_prompt_tokens=float(mean_prompt),
-            mean_decode_context_tokens=float(decode_ctx),
-            prefix_cache_hit_fraction=cached / (cached + prefill) if cached + prefill > 0 else 0.0,
+            mean_prompt_tokens=mean_prompt or 0.0,
+            mean_decode_context_tokens=decode_ctx or 0.0,
+            prefix_cache_hit_fraction=hit_fraction or 0.0,
             queued_prefill_requests=float(queued[0]),
             queued_prefill_tokens=float(queued[1]),
             queued_decode_requests=float(queued[2]),
-            prefill_tokens_per_s_trend=prefill_trend,
-            decode_tokens_per_s_trend=decode_trend,
+            prefill_tokens_per_s_trend=float(trends[0]),
+            decode_tokens_per_s_trend=float(trends[1]),
             busy_fraction=float(totals[_BUSY_S] / span.sum()) if fresh.size else 0.0,
+            queued_prefill_requests_mean=float(rates[_QS_PREFILL_REQS]),
+            queued_prefill_tokens_mean=float(rates[_QS_PREFILL_TOKENS]),
+            queued_decode_requests_mean=float(rates[_QS_DECODE_REQS]),
+            queued_prefill_tokens_trend=float(trends[2]),
+            queued_decode_requests_trend=float(trends[3]),
+            missing_streams=missing,
+            unavailable=frozenset(unavailable),
         )
 
     def _trends(
@@ -348,37 +453,46 @@ class LoadEstimator:
         ids: npt.NDArray[np.int64],
         in_window: npt.NDArray[np.bool_],
         sums: FloatArray,
+        partial: FloatArray,
         now: float,
         bucket: int,
-    ) -> tuple[float, float]:
-        """Least-squares slope of fleet rates over equal sub-windows (tokens/s per second)."""
+    ) -> FloatArray | None:
+        """Least-squares slope of the :data:`_TREND_COLS` fleet rates over equal sub-windows.
+
+        Per second (tokens/s per second for rates, queue units per second for the
+        mean queues); None when fewer than two sub-windows have data.
+        """
         if ids.size == 0:
-            return 0.0, 0.0
+            return None
         # Sub-window of each ring entry, counted back from the newest bucket.
         age = np.where(in_window, bucket - ids, -1)
         per_sub = max(1, self._n_window // self.trend_subwindows)
         sub = np.where(age >= 0, age // per_sub, -1)
         n_sub = int(self._n_window // per_sub)
-        centers, prefill_rates, decode_rates = [], [], []
+        centers: list[float] = []
+        values: list[FloatArray] = []
         current_fraction = (now - bucket * self.bucket_s) / self.bucket_s
         for j in range(n_sub):
             mask = sub == j
             if not mask.any():
                 continue
             duration = per_sub * self.bucket_s
-            if j == 0:  # the newest bucket is only partly elapsed
+            picked = sums[mask][:, _TREND_COLS].sum(axis=0)
+            if j == 0:  # the newest bucket is only partly elapsed; the queues held till now
                 duration -= (1.0 - current_fraction) * self.bucket_s
+                picked = picked + partial[_TREND_COLS]
             if duration < 0.5 * self.bucket_s:
                 continue  # too short to give a meaningful rate
-            picked = sums[mask]
             centers.append(now - (j + 0.5) * per_sub * self.bucket_s)
-            prefill_rates.append(float(picked[:, _PREFILL_TOKENS].sum()) / duration)
-            decode_rates.append(float(picked[:, _DECODE_TOKENS].sum()) / duration)
+            values.append(picked / duration)
         if len(centers) < 2:
-            return 0.0, 0.0
+            return None
         t = np.asarray(centers)
         t = t - t.mean()
-        denom = float((t * t).sum())
-        slope_p = float((t * (np.asarray(prefill_rates) - np.mean(prefill_rates))).sum()) / denom
-        slope_d = float((t * (np.asarray(decode_rates) - np.mean(decode_rates))).sum()) / denom
-        return slope_p, slope_d
+        v = np.asarray(values)  # (subs, cols)
+        return np.asarray((t[:, None] * (v - v.mean(axis=0))).sum(axis=0) / float((t * t).sum()))
+
+
+def _ratio(num: float, den: float) -> float | None:
+    """``num / den``, or None when there is nothing to divide by."""
+    return float(num / den) if den > 0 else None

@@ -1,12 +1,22 @@
 """Plain data types shared by load estimation, the planner and the simulator.
 
 Kept apart from the code that computes them so the planner depends on the shape
-of a load estimate, not on how it was measured.
+of a load estimate, not on how it was measured. The plausibility bounds on one
+forward pass live here too: the cost model and the load estimator both apply them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from stepscale_engine.wire import QueuedRequestMetrics, ScheduledRequestMetrics
+
+LoadValue = float | int | bool | list[str] | None
 
 
 @dataclass(frozen=True)
@@ -14,8 +24,13 @@ class LoadEstimate:
     """The load a deployment carried over the last ``window_s`` seconds, fleet-wide.
 
     Rates are sums over every fresh stream of the deployment. A stream that is
-    stale or missing is counted in ``streams_missing``; its load is unknown,
-    never zero, and ``complete`` is False so the planner will not scale down.
+    stale or missing is counted in ``streams_missing`` and named in
+    ``missing_streams``; its load is unknown, never zero, and ``complete`` is
+    False so the planner will not scale down.
+
+    The float fields hold 0.0 where nothing could be measured (so arithmetic in
+    the planner stays simple); ``unavailable`` names those fields, and
+    :meth:`to_dict` (what status and logs show) writes them as null.
     """
 
     window_s: float
@@ -34,14 +49,149 @@ class LoadEstimate:
     prefill_tokens_per_s_trend: float = 0.0  # d(rate)/dt, tokens/s per second
     decode_tokens_per_s_trend: float = 0.0
     busy_fraction: float = 0.0  # share of wall-clock time spent in forward passes
+    # Queues averaged over the window (time-weighted), summed over streams.
+    queued_prefill_requests_mean: float = 0.0
+    queued_prefill_tokens_mean: float = 0.0
+    queued_decode_requests_mean: float = 0.0
+    queued_prefill_tokens_trend: float = 0.0  # d(mean queue)/dt, tokens per second
+    queued_decode_requests_trend: float = 0.0  # requests per second
+    missing_streams: tuple[str, ...] = ()  # ``worker_id/dp_rank`` of stale or silent streams
+    unavailable: frozenset[str] = field(default_factory=frozenset)  # fields with no data
 
     @property
     def complete(self) -> bool:
         """True when every known stream contributed fresh data."""
         return self.streams_total > 0 and self.streams_missing == 0
 
-    def to_dict(self) -> dict[str, float | int | bool]:
-        """JSON-able form, for status and logs."""
-        d: dict[str, float | int | bool] = dict(asdict(self))
+    def to_dict(self) -> dict[str, LoadValue]:
+        """JSON-able form, for status and logs: values that cannot be computed are None."""
+        d: dict[str, LoadValue] = {}
+        for key, value in asdict(self).items():
+            if key == "unavailable":
+                continue
+            if key == "missing_streams":
+                d[key] = list(value)
+            else:
+                d[key] = None if key in self.unavailable else value
         d["complete"] = self.complete
         return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> LoadEstimate:
+        """Inverse of :meth:`to_dict` (nulls become 0.0 and are listed as unavailable)."""
+        values: dict[str, Any] = {}
+        unavailable = set()
+        for f in fields(cls):
+            if f.name in ("unavailable", "missing_streams") or f.name not in d:
+                continue
+            value = d[f.name]
+            if value is None:
+                unavailable.add(f.name)
+                value = 0.0
+            values[f.name] = value
+        missing = d.get("missing_streams") or ()
+        if not isinstance(missing, list | tuple):
+            raise ValueError("missing_streams must be a list of stream names")
+        return cls(
+            **values,
+            missing_streams=tuple(str(m) for m in missing),
+            unavailable=frozenset(unavailable),
+        )
+
+
+# -- plausibility of one forward pass ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class PassLimits:
+    """Hard bounds on one forward pass of one engine rank, far beyond any real engine.
+
+    A payload can be valid on the wire and still absurd (1e12 prompt tokens in
+    10 ms). Such passes would dominate a least-squares fit and the load sums, so
+    they are rejected as *implausible* and counted by reason, never learned.
+    """
+
+    max_wall_time_s: float = 600.0
+    max_tokens: float = 1e7  # prefill tokens + decode requests computed in one pass
+    max_requests: float = 1e6  # prefill or decode requests in one pass
+    max_kv_tokens: float = 1e11  # KV tokens attended to in one pass (prefill or decode)
+    max_tokens_per_s: float = 1e8  # tokens computed per second of the pass
+    max_kv_tokens_per_s: float = 1e12  # KV tokens read per second of the pass
+    max_queued_requests: float = 1e7
+    max_queued_tokens: float = 1e12
+
+
+PASS_LIMITS = PassLimits()
+IMPLAUSIBLE_REASONS: tuple[str, ...] = ("", "size", "rate", "queue")
+"""Reason of each code :func:`implausible_passes` returns (0: plausible)."""
+
+_S = tuple(ScheduledRequestMetrics.__struct_fields__)
+_Q = tuple(QueuedRequestMetrics.__struct_fields__)
+_S_NPRE, _S_CPRE = _S.index("num_prefill_requests"), _S.index("sum_prefill_tokens")
+_S_KPRE, _S_NDEC = _S.index("sum_prefill_kv_tokens"), _S.index("num_decode_requests")
+_S_KVDEC = _S.index("sum_decode_kv_tokens")
+_Q_REQS = [_Q.index("num_prefill_requests"), _Q.index("num_decode_requests")]
+_Q_TOKENS = [_Q.index("sum_prefill_tokens"), _Q.index("sum_decode_kv_tokens")]
+
+
+def implausible_passes(
+    sched: npt.NDArray[np.float64],
+    wall: npt.NDArray[np.float64],
+    queued: npt.NDArray[np.float64] | None = None,
+    limits: PassLimits = PASS_LIMITS,
+) -> npt.NDArray[np.int8]:
+    """Per row, 0 if plausible, else an index into :data:`IMPLAUSIBLE_REASONS`.
+
+    ``sched``/``queued`` are (n, 7)/(n, 6) matrices in wire field order; heartbeats
+    (``wall == 0``) are judged on their sizes and queue only.
+    """
+    tokens = sched[:, _S_CPRE] + sched[:, _S_NDEC]
+    kv = sched[:, _S_KPRE] + sched[:, _S_KVDEC]
+    size = (
+        (wall > limits.max_wall_time_s)
+        | (tokens > limits.max_tokens)
+        | (np.maximum(sched[:, _S_NPRE], sched[:, _S_NDEC]) > limits.max_requests)
+        | (kv > limits.max_kv_tokens)
+    )
+    is_pass = wall > 0.0
+    safe_wall = np.where(is_pass, wall, 1.0)
+    rate = is_pass & (
+        (tokens / safe_wall > limits.max_tokens_per_s)
+        | (kv / safe_wall > limits.max_kv_tokens_per_s)
+    )
+    code = np.where(size, 1, np.where(rate, 2, 0)).astype(np.int8)
+    if queued is not None and queued.shape[0]:
+        bad_queue = (queued[:, _Q_REQS].max(axis=1) > limits.max_queued_requests) | (
+            queued[:, _Q_TOKENS].max(axis=1) > limits.max_queued_tokens
+        )
+        code[(code == 0) & bad_queue] = 3
+    return code
+
+
+def over_budget(
+    used: npt.NDArray[np.float64],
+    budget: npt.NDArray[np.float64],
+    factor: float,
+    floor: float,
+) -> npt.NDArray[np.bool_]:
+    """Rows computing more than ``factor`` times their stream's budget (at least ``floor``).
+
+    The budget is the largest ``prefill tokens + decode requests`` a stream's
+    accepted passes used; a real engine never exceeds its scheduler's token budget,
+    so a pass far above everything its stream did before is not believed. The
+    floor lets a young stream show its real budget (up to ``factor * floor``).
+    """
+    return used > factor * np.maximum(budget, floor)
+
+
+def tally_implausible(
+    counts: dict[str, int],
+    code: npt.NDArray[np.int8],
+    beyond_budget: npt.NDArray[np.bool_] | None = None,
+) -> None:
+    """Add rejected rows to ``counts`` by reason (``budget`` for rows beyond their budget)."""
+    for c in np.unique(code[code > 0]):
+        reason = IMPLAUSIBLE_REASONS[int(c)]
+        counts[reason] = counts.get(reason, 0) + int(np.count_nonzero(code == c))
+    if beyond_budget is not None and beyond_budget.any():
+        counts["budget"] = counts.get("budget", 0) + int(np.count_nonzero(beyond_budget))

@@ -9,7 +9,8 @@ heartbeats included, from 0 upwards by one. So
 
 * ``sequence > last + 1`` means ``sequence - last - 1`` messages were lost;
 * ``sequence == last`` is a duplicate (two publishers claiming one identity, or a
-  replay); it is counted and otherwise ignored;
+  replay); it is counted and otherwise ignored: :class:`ObserveResult` carries a
+  mask of the messages that were not duplicates, so consumers learn each pass once;
 * ``sequence < last`` means the engine restarted: a new publisher starts at 0, and
   the messages it sent before we saw it are counted as lost.
 
@@ -19,7 +20,8 @@ A stream is stale when nothing (not even a heartbeat) arrived for
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,18 +88,27 @@ class StreamState:
 
 @dataclass(frozen=True)
 class ObserveResult:
-    """What one batch changed, for consumers that react to restarts."""
+    """What one batch changed, for consumers that react to restarts or must skip duplicates."""
 
-    accepted: int
+    accepted: int  # messages counted (duplicates excluded)
     restarted: tuple[StreamKey, ...]  # streams that restarted within the batch
     new: tuple[StreamKey, ...]  # streams seen for the first time
+    # Per input message, in input order: False for a duplicate (already counted).
+    mask: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
+
+    @property
+    def all_accepted(self) -> bool:
+        """True when the batch held no duplicate."""
+        return bool(self.mask.all())
 
 
 class StreamTable:
     """All streams of one subscriber or deployment, with a health summary.
 
     Memory is bounded by ``max_streams``: beyond it, the stream silent for the
-    longest time that nobody registered as expected is forgotten.
+    longest time that nobody registered as expected is forgotten. Streams are kept
+    in least-recently-seen order (expected ones apart), so that costs O(1) however
+    many identities churn through.
     """
 
     def __init__(
@@ -110,6 +121,9 @@ class StreamTable:
         self.stale_after_s = stale_after_s
         self.max_streams = max_streams
         self._streams: dict[StreamKey, StreamState] = {}
+        # Least recently seen first; expected streams are evicted only when nothing else is.
+        self._lru: OrderedDict[StreamKey, None] = OrderedDict()
+        self._lru_expected: OrderedDict[StreamKey, None] = OrderedDict()
         # Rejections whose stream is unknown (the payload did not decode) land here too.
         self.rejected: dict[str, int] = {}
         self.evicted = 0
@@ -119,18 +133,27 @@ class StreamTable:
     def expect(self, key: StreamKey) -> StreamState:
         """Register a stream that should exist (a known pod/rank); missing until it speaks."""
         state = self._get_or_create(key)
-        state.expected = True
+        if not state.expected:
+            state.expected = True
+            self._lru.pop(key, None)
+            self._lru_expected[key] = None
         return state
 
     def forget(self, key: StreamKey) -> None:
         """Drop a stream (its pod is gone)."""
         self._streams.pop(key, None)
+        self._lru.pop(key, None)
+        self._lru_expected.pop(key, None)
 
     def __contains__(self, key: object) -> bool:
         return key in self._streams
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    def __iter__(self) -> Iterator[StreamKey]:
+        """The stream keys (a snapshot: the table may change while callers iterate)."""
+        return iter(list(self._streams))
 
     def get(self, key: StreamKey) -> StreamState | None:
         """The state of one stream, or None."""
@@ -167,7 +190,7 @@ class StreamTable:
         """
         n = len(keys)
         if n == 0:
-            return ObserveResult(0, (), ())
+            return ObserveResult(0, (), (), np.zeros(0, dtype=bool))
         first_pos: dict[StreamKey, int] = {}
         pos = np.fromiter(map(first_pos.setdefault, keys, range(n)), np.int64, n)
         uniq, slot = np.unique(pos, return_inverse=True)
@@ -181,6 +204,7 @@ class StreamTable:
             if state.first_seen is None:
                 state.first_seen = now
                 new.append(key)
+            self._touch(state)
             states.append(state)
         last = np.array(
             [-1 if s.last_sequence is None else s.last_sequence for s in states], np.int64
@@ -237,7 +261,9 @@ class StreamTable:
             state.last_seen = now
             if n_pass:
                 state.last_pass_time = now
-        return ObserveResult(n, tuple(restarted), tuple(new))
+        mask = np.empty(n, dtype=bool)
+        mask[order] = counted
+        return ObserveResult(int(counted.sum()), tuple(restarted), tuple(new), mask)
 
     def record_rejected(self, reason: FrameError, key: StreamKey | None = None) -> None:
         """Count one rejected frame, against its stream when the identity is known."""
@@ -290,19 +316,16 @@ class StreamTable:
                 self._evict_one()
             state = StreamState(key=key)
             self._streams[key] = state
+            self._lru[key] = None
         return state
 
+    def _touch(self, state: StreamState) -> None:
+        """Mark a stream as just seen (most recent in its LRU order)."""
+        (self._lru_expected if state.expected else self._lru).move_to_end(state.key)
+
     def _evict_one(self) -> None:
-        candidates: Iterable[StreamState] = (s for s in self._streams.values() if not s.expected)
-        victim = min(
-            candidates,
-            key=lambda s: float("-inf") if s.last_seen is None else s.last_seen,
-            default=None,
-        )
-        if victim is None:  # every stream is expected: forget the longest-silent anyway
-            victim = min(
-                self._streams.values(),
-                key=lambda s: float("-inf") if s.last_seen is None else s.last_seen,
-            )
-        del self._streams[victim.key]
+        """Forget the least recently seen unexpected stream, else the oldest expected one."""
+        lru = self._lru if self._lru else self._lru_expected
+        victim, _ = lru.popitem(last=False)
+        del self._streams[victim]
         self.evicted += 1

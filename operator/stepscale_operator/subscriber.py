@@ -12,10 +12,10 @@ and handed to the sink as one :class:`~stepscale_operator.fpm_pipeline.MessageBa
 
 Validation is exactly :func:`stepscale_engine.wire.decode_frames`'s: the fast path
 accepts only what it would accept, and anything the fast path doubts goes through
-``decode_frames`` itself to get the rejection reason. Frame boundaries: a
-``recv_multipart`` costs about three times three bare ``recv`` calls, because
-it asks ZMQ (``getsockopt(RCVMORE)``) whether more frames follow after every
-frame. The default, ``exact_framing=True``, receives zero-copy frames instead,
+``decode_frames`` itself to get the rejection reason. Frame boundaries: one
+``recv_multipart`` costs about three times as much as three bare ``recv`` calls,
+because it asks ZMQ (``getsockopt(RCVMORE)``) whether more frames follow after
+every frame. The default, ``exact_framing=True``, receives zero-copy frames instead,
 which carry that flag themselves: every boundary is checked, a malformed message
 loses nothing but itself, and it is about 1.3-1.5x faster than
 ``recv_multipart`` (benchmarks/bench_ingest.py). The opt-in
@@ -24,7 +24,10 @@ once, after the payload; a message of the wrong length is still detected and
 counted (``frame_count``), but since its boundary was found late the message
 after it can be dropped with it (counted in ``resyncs``).
 Nothing here raises on bad input: every rejection is counted by reason and
-logged at a limited rate.
+logged at a limited rate. Any exception while decoding one payload (for example
+a ``RecursionError`` from deeply nested msgpack) rejects that payload only, and
+an unexpected error in the polling thread is counted and the thread goes on:
+one packet must never stop ingestion.
 """
 
 from __future__ import annotations
@@ -71,9 +74,12 @@ class SubscriberStats:
     accepted: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # FrameError value -> count
     resyncs: int = 0  # frame boundary found late; the message after may be lost
+    duplicates: int = 0  # valid messages whose sequence the stream table had already seen
+    sequence_mismatches: int = 0  # accepted, but the sequence frame != counter_id (spec: allowed)
     batches: int = 0
     sink_errors: int = 0
     endpoint_errors: int = 0
+    internal_errors: int = 0  # unexpected errors in the polling loop (it keeps running)
 
 
 class FpmSubscriber:
@@ -223,21 +229,27 @@ class FpmSubscriber:
         self.close()
 
     def _run(self) -> None:
-        try:
+        while not self._stop.is_set():
+            try:
+                self._poll_and_drain()
+            except Exception as exc:  # noqa: BLE001 - one bad packet must not stop ingestion
+                self.stats.internal_errors += 1
+                self._rate_log.warning("internal", "FPM subscriber error (continuing): %r", exc)
+                self._stop.wait(0.01)  # no busy loop should the error repeat
+
+    def _poll_and_drain(self) -> None:
+        """One wake-up of the polling thread: endpoint changes, then drain the socket."""
+        self._apply_commands()
+        events = dict(self._poller.poll(100))
+        if self._ctrl_recv in events:
+            while self._ctrl_recv.poll(0):
+                self._ctrl_recv.recv()
+        if self._sub in events:
+            # Drain what is there in batches before polling again.
             while not self._stop.is_set():
-                self._apply_commands()
-                events = dict(self._poller.poll(100))
-                if self._ctrl_recv in events:
-                    while self._ctrl_recv.poll(0):
-                        self._ctrl_recv.recv()
-                if self._sub in events:
-                    # Drain what is there in batches before polling again.
-                    while not self._stop.is_set():
-                        self._dispatch(self._receive_batch())
-                        if not self._sub.poll(0, zmq.POLLIN):
-                            break
-        except Exception:  # noqa: BLE001 - the thread must not die silently
-            log.exception("FPM subscriber thread failed")
+                self._dispatch(self._receive_batch())
+                if not self._sub.poll(0, zmq.POLLIN):
+                    break
 
     # -- receiving and decoding -------------------------------------------------
 
@@ -316,7 +328,7 @@ class FpmSubscriber:
             if any(len(p) > wire.MAX_PAYLOAD_BYTES for p in payloads):
                 raise ValueError("oversized payload")
             decoded = [_decoder.decode(p) for p in payloads]
-        except (msgspec.DecodeError, ValueError, OverflowError):
+        except Exception:  # noqa: BLE001 - e.g. RecursionError: judge each payload alone
             decoded = [self._decode_one(p) for p in payloads]
         good_idx = [i for i, m in enumerate(decoded) if m is not None]
         msgs = [m for m in decoded if m is not None]
@@ -337,38 +349,44 @@ class FpmSubscriber:
             matrices = matrices.select(valid)
             msgs = [m for m, ok in zip(msgs, valid, strict=True) if ok]
         # Payloads that failed to decode were rejected in _decode_one.
+        if self.observe_streams and msgs:
+            seen = self.streams.observe_columns(
+                matrices.keys, matrices.counters, matrices.wall, self._clock()
+            )
+            if not seen.all_accepted:
+                # Counted as duplicates by the table; the sink must not learn them twice.
+                self.stats.duplicates += int(np.count_nonzero(~seen.mask))
+                matrices = matrices.select(seen.mask)
+                msgs = [m for m, ok in zip(msgs, seen.mask, strict=True) if ok]
         batch.extend(msgs)
         batch.matrices = matrices
         self.stats.accepted += len(msgs)
-        if self.observe_streams and msgs:
-            self.streams.observe_batch(msgs, self._clock())
         return batch
 
     def _decode_one(self, payload: bytes | memoryview) -> ForwardPassMetrics | None:
         if len(payload) <= wire.MAX_PAYLOAD_BYTES:
             try:
                 return _decoder.decode(payload)
-            except (msgspec.DecodeError, ValueError, OverflowError):
+            except Exception:  # noqa: BLE001 - whatever the decoder raises, the frame is bad
                 pass
         self._reject_frames([b"", wire.encode_sequence(0), payload])
         return None
 
     def _slow_path_accepts(self, frames: list[bytes | memoryview]) -> bool:
         """Let the wire module judge a doubtful message; count its reason if rejected."""
-        try:
-            wire.decode_frames(frames)
-        except DecodeError as exc:
-            self._reject(exc.reason, _peek_stream(frames[2]), exc.detail)
-            return False
-        return True
+        reason, detail = _wire_verdict(frames, self._count_sequence_mismatch)
+        if reason is None:
+            return True
+        self._reject(reason, _peek_stream(frames[2]), detail)
+        return False
+
+    def _count_sequence_mismatch(self, sequence: int, msg: ForwardPassMetrics) -> None:
+        """Not a rejection (the stream is numbered by ``counter_id``), but worth counting."""
+        self.stats.sequence_mismatches += 1
 
     def _reject_frames(self, frames: list[bytes | memoryview]) -> None:
-        try:
-            wire.decode_frames(frames)
-        except DecodeError as exc:
-            reason = exc.reason
-            detail = exc.detail
-        else:  # only reachable for a seq frame rebuilt by _decode_one
+        reason, detail = _wire_verdict(frames)
+        if reason is None:  # only reachable for a seq frame rebuilt by _decode_one
             reason, detail = FrameError.SCHEMA, "undecodable payload"
         self._reject(reason, _peek_stream(frames[2]) if len(frames) == 3 else None, detail)
 
@@ -387,6 +405,24 @@ class FpmSubscriber:
         except Exception as exc:  # noqa: BLE001 - a broken sink must not stop ingest
             self.stats.sink_errors += 1
             self._rate_log.warning("sink", "FPM sink failed: %r", exc)
+
+
+def _wire_verdict(
+    frames: list[bytes | memoryview],
+    on_sequence_mismatch: Callable[[int, ForwardPassMetrics], None] | None = None,
+) -> tuple[FrameError | None, str]:
+    """The wire module's rejection reason for ``frames`` (None if it accepts them).
+
+    Any exception other than :class:`DecodeError` (the wire module failing on a
+    hostile payload, e.g. by recursion) counts as a payload that is not msgpack.
+    """
+    try:
+        wire.decode_frames(frames, on_sequence_mismatch=on_sequence_mismatch)
+    except DecodeError as exc:
+        return exc.reason, exc.detail
+    except Exception as exc:  # noqa: BLE001 - a hostile payload must not escape as an error
+        return FrameError.NOT_MSGPACK, f"undecodable payload: {type(exc).__name__}"
+    return None, ""
 
 
 def _peek_stream(payload: bytes | memoryview) -> StreamKey | None:

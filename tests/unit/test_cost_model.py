@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,7 +148,6 @@ def test_follows_a_changed_engine() -> None:
 
 
 def test_warmup_per_stream_and_after_restart() -> None:
-    rng = np.random.default_rng(7)
     model = CostModel(warmup_passes=5, min_samples=10)
     sched = [ScheduledRequestMetrics(num_decode_requests=8, sum_decode_kv_tokens=800)] * 40
     results = [model.update(s, 0.01, ("a", 0), counter_id=i) for i, s in enumerate(sched)]
@@ -158,7 +159,6 @@ def test_warmup_per_stream_and_after_restart() -> None:
     assert model.update(sched[0], 0.01, ("a", 0), counter_id=0) is None
     assert model.samples == 35
     assert model.warmup_skipped == 7
-    _ = rng
 
 
 def test_heartbeats_are_ignored() -> None:
@@ -197,6 +197,163 @@ def test_from_dict_rejects_foreign_snapshots() -> None:
     snapshot["coefficients"] = snapshot["coefficients"][:-1]
     with pytest.raises(ValueError):
         CostModel.from_dict(snapshot)
+
+
+def _set(snapshot: dict[str, Any], path: str, value: object) -> None:
+    *parents, last = path.split(".")
+    node = snapshot
+    for key in parents:
+        node = node[key]
+    node[last] = value
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "names"),
+    [
+        ("state.gram", [[math.nan] * 6] * 6, "state.gram"),
+        ("state.gram", [[1.0] * 6] * 5, "state.gram"),
+        ("state.gram", "not a matrix", "state.gram"),
+        ("state.xty", [0.0] * 5, "state.xty"),
+        ("state.xty", [0.0] * 5 + [math.inf], "state.xty"),
+        ("state.scales", [1.0, "x", 1.0, 1.0, 1.0, 1.0], "state.scales"),
+        ("state.scales", [1.0, 0.0, 1.0, 1.0, 1.0, 1.0], "state.scales"),
+        ("state.n_eff", -5.0, "state.n_eff"),
+        ("state.yty", math.nan, "state.yty"),
+        ("state.residual_scale", math.nan, "state.residual_scale"),
+        ("state", [1, 2], "state"),
+        ("samples", -1, "samples"),
+        ("regime_samples", {"mixed": 1.5}, "regime_samples.mixed"),
+        ("quality.outliers_rejected", "many", "quality.outliers_rejected"),
+        ("config.half_life_passes", math.inf, "config.half_life_passes"),
+    ],
+)
+def test_from_dict_rejects_malformed_snapshots(path: str, value: object, names: str) -> None:
+    snapshot = trained(np.random.default_rng(15), n=1000).to_dict()
+    CostModel.from_dict(json.loads(json.dumps(snapshot)))  # the unmodified one restores
+    _set(snapshot, path, value)
+    with pytest.raises(ValueError, match=names.replace(".", r"\.")):
+        CostModel.from_dict(snapshot)
+
+
+def _stalled_passes(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    sched = compositions(rng, n)
+    y = step_times(rng, sched, 0.05)
+    y[rng.random(n) < 0.05] *= 6.0
+    return sched, y
+
+
+def test_restored_model_keeps_its_outlier_gate_and_counters() -> None:
+    rng = np.random.default_rng(16)
+    model = CostModel(warmup_passes=0)
+    sched, y = _stalled_passes(rng, 5000)
+    model.update_batch(sched, y, [("w", 0)] * 5000)
+    model.update(ScheduledRequestMetrics(), 0.0)  # a heartbeat
+    snapshot = json.loads(json.dumps(model.to_dict()))
+    restored = CostModel.from_dict(snapshot)
+    q, rq = model.quality, restored.quality
+    assert rq.residual_scale == pytest.approx(q.residual_scale)
+    assert (rq.outliers_rejected, rq.heartbeats_ignored) == (q.outliers_rejected, 1)
+    assert rq.outliers_rejected > 100
+    # Its very first pass after the restart is a stall: the gate is already up.
+    stall = compositions(rng, 1)
+    slow = step_times(rng, stall, 0.0) * 6.0
+    restored.update_batch(stall, slow, [("w", 0)])
+    assert restored.outliers_rejected == q.outliers_rejected + 1
+    assert restored.samples == model.samples
+    # A snapshot without the gate (an older version) would have learned it.
+    del snapshot["state"]["residual_scale"]
+    ungated = CostModel.from_dict(snapshot)
+    ungated.update_batch(stall, slow, [("w", 0)])
+    assert ungated.samples == model.samples + 1
+
+
+def _row(prefill_tokens: float, decode_requests: float = 0.0) -> np.ndarray:
+    """One composition: one prefill request of ``prefill_tokens``, plus decode requests."""
+    return np.array([[1.0, prefill_tokens, 0.0, 0.0, decode_requests, 100 * decode_requests, 0.0]])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "wall", "reason"),
+    [
+        (1e12, 0.010, "size"),  # beyond any engine
+        (2e7, 0.5, "size"),
+        (5e6, 0.010, "rate"),  # 5e8 tokens/s
+        (5e5, 5.0, "budget"),  # plausible rate, but 80x this stream's largest pass
+        (2e5, 0.010, "fast"),  # within every limit, 7000x faster than predicted
+    ],
+)
+def test_implausible_pass_does_not_move_the_fit(tokens: float, wall: float, reason: str) -> None:
+    model = trained(np.random.default_rng(17), n=5000)
+    before = model.coefficients
+    samples = model.samples
+    model.update_batch(_row(tokens), [wall], [("w", 0)])
+    assert model.coefficients == before
+    assert model.samples == samples
+    assert model.implausible_rejected == {reason: 1}
+    assert model.to_dict()["quality"]["implausible_rejected"] == {reason: 1}
+
+
+def test_without_plausibility_checks_one_hostile_pass_wrecks_the_fit() -> None:
+    """Why the checks exist (and why the test above can fail): 1/y^2 weighting gives a
+    very fast pass enormous leverage, and a one-sided gate never rejects it."""
+    model = trained(np.random.default_rng(17), n=5000, fast_factor=1e12, budget_factor=1e12)
+    before = model.coefficients["prefill_tokens"]
+    model.update_batch(_row(2e5), [0.010], [("w", 0)])
+    assert model.coefficients["prefill_tokens"] < 0.5 * before
+
+
+def test_ready_needs_prefill_and_decode_passes() -> None:
+    rng = np.random.default_rng(18)
+    model = CostModel(warmup_passes=0)  # min_samples 200, so 20 of each regime
+    decode = compositions(rng, 300, p_prefill=0.0)
+    model.update_batch(decode, step_times(rng, decode, 0.05), [("w", 0)] * 300)
+    assert model.samples >= model.min_samples
+    assert not model.ready  # the prefill coefficients never saw a prompt
+    assert not model.to_dict()["ready"]
+    prefill = compositions(rng, 30, p_prefill=1.0, p_decode=0.0)
+    model.update_batch(prefill, step_times(rng, prefill, 0.05), [("w", 0)] * 30)
+    assert model.prefill_bearing_samples >= model.min_regime_samples
+    assert model.ready
+    # The requirement is configurable (0: samples alone, e.g. a prefill-only worker).
+    lenient = CostModel(warmup_passes=0, min_regime_samples=0)
+    lenient.update_batch(decode, step_times(rng, decode, 0.05), [("w", 0)] * 300)
+    assert lenient.ready
+
+
+def test_update_cost_is_amortised() -> None:
+    """Fed one pass at a time, the O(window) robust scale and the O(buckets*d^2) solve
+    run once per many samples, not per call (counted, not timed)."""
+    rng = np.random.default_rng(19)
+    model = trained(rng, n=5000)
+    calls = {"scale": 0, "solve": 0}
+
+    def counting(name: str, method: Callable[[], None]) -> Callable[[], None]:
+        def wrapped() -> None:
+            calls[name] += 1
+            method()
+
+        return wrapped
+
+    model._update_robust_scale = counting("scale", model._update_robust_scale)  # type: ignore[method-assign]
+    model._solve = counting("solve", model._solve)  # type: ignore[method-assign]
+    n = 2048
+    sched = compositions(rng, n)
+    y = step_times(rng, sched, 0.05)
+    preds = [model.update_batch(sched[i : i + 1], y[i : i + 1], [("w", 0)])[0] for i in range(n)]
+    assert calls["scale"] <= n // model.robust_every + 1
+    assert calls["solve"] <= n // 64 + 1  # the period is samples/64 (>= 78 here), up to 256
+    # Still accurate prequentially, and a lazy solve brings the coefficients up to date.
+    assert np.median(np.abs(np.array(preds) - y) / y) < 0.06
+    model.coefficients  # noqa: B018 - solves if samples arrived since the last solve
+    assert model._since_solve == 0
+
+
+def test_stream_state_evicts_the_least_recently_active() -> None:
+    model = CostModel(warmup_passes=0, max_streams=2)
+    pass_ = ScheduledRequestMetrics(num_decode_requests=4, sum_decode_kv_tokens=400)
+    for stream in (("a", 0), ("b", 0), ("a", 0), ("c", 0)):
+        model.update(pass_, 0.01, stream)
+    assert set(model.stream_residuals()) == {("a", 0), ("c", 0)}
 
 
 def test_stream_residuals_single_out_a_slow_pod() -> None:
@@ -291,3 +448,10 @@ def test_follows_a_slower_engine_despite_a_long_half_life() -> None:
         sched = compositions(rng, 1000)
         model.update_batch(sched, step_times(rng, sched, 0.05, slower), [("w", 0)] * 1000)
     assert rel_err(model, compositions(rng, 500), slower).mean() < 0.05
+
+
+def test_regime_requirement_survives_a_restart_and_follows_min_samples() -> None:
+    explicit = CostModel(min_regime_samples=7).to_dict()
+    assert CostModel.from_dict(explicit, min_samples=50).min_regime_samples == 7
+    derived = CostModel().to_dict()  # a tenth of min_samples, re-derived on restore
+    assert CostModel.from_dict(derived, min_samples=50).min_regime_samples == 5

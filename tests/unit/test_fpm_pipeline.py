@@ -9,7 +9,7 @@ import pytest
 
 from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics, heartbeat
 from stepscale_operator.cost_model import CostModel
-from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch, PassMatrices
+from stepscale_operator.fpm_pipeline import COL_WALL, DeploymentModel, MessageBatch, PassMatrices
 
 
 def _pass(worker: str, counter: int, n_dec: int, rank: int = 0) -> ForwardPassMetrics:
@@ -64,20 +64,73 @@ def test_missing_stream_makes_estimate_incomplete() -> None:
 
 
 def test_reuses_columns_carried_by_the_batch() -> None:
-    msgs = [_pass("a", c, 4) for c in range(30)]
+    msgs = [_pass("a", c, 1 + c % 31) for c in range(300)]
     batch = MessageBatch(msgs)
-    batch.matrices = PassMatrices.from_messages(msgs)
+    carried = PassMatrices.from_messages(msgs)
+    # Columns that differ from the messages: every pass twice as slow. Learning from
+    # them (not from rebuilt columns) doubles the model's predictions.
+    carried.numeric[:, COL_WALL] *= 2.0
+    batch.matrices = carried
     dm = DeploymentModel(cost_model=CostModel(warmup_passes=0, min_samples=1))
     dm.ingest(batch, now=0.0)
-    np.testing.assert_array_equal(batch.matrices.counters, np.arange(30))
-    assert dm.cost_model.samples == 30
+    probe = ScheduledRequestMetrics(num_decode_requests=16, sum_decode_kv_tokens=1600)
+    assert dm.cost_model.predict(probe) == pytest.approx(2 * (0.002 + 16e-4), rel=0.02)
+    # Columns that do not match the batch are ignored and rebuilt from the messages.
+    stale = MessageBatch(msgs)
+    stale.matrices = PassMatrices.from_messages(msgs[:10])
+    rebuilt = DeploymentModel(cost_model=CostModel(warmup_passes=0, min_samples=1))
+    rebuilt.ingest(stale, now=0.0)
+    assert rebuilt.cost_model.samples == 300
+    assert rebuilt.cost_model.predict(probe) == pytest.approx(0.002 + 16e-4, rel=0.02)
+
+
+def test_duplicates_are_learned_once() -> None:
+    msgs = [_pass("a", c, 8) for c in range(100)]
+    once = DeploymentModel(cost_model=CostModel(warmup_passes=0, min_samples=1))
+    twice = DeploymentModel(cost_model=CostModel(warmup_passes=0, min_samples=1))
+    once.ingest(msgs, now=0.0)
+    replayed = [m for m in msgs for _ in range(2)]  # every message twice
+    result = twice.ingest(replayed[:100], now=0.0)
+    result2 = twice.ingest(replayed[99:], now=0.0)  # one duplicate straddles the batches
+    assert (result.messages, result2.messages) == (50, 50)
+    assert twice.streams.health(0.5)["duplicates"] == 101  # 201 messages, 100 passes
+    assert twice.cost_model.samples == once.cost_model.samples == 100
+    assert twice.estimate(0.5).decode_tokens_per_s == once.estimate(0.5).decode_tokens_per_s
+
+
+def _mixed_pass(counter: int) -> ForwardPassMetrics:
+    """A pass with prompt tokens every third time, so both regimes are learned."""
+    n_dec = 1 + counter % 7
+    prompt = 128 if counter % 3 == 0 else 0
+    sched = ScheduledRequestMetrics(
+        num_prefill_requests=1 if prompt else 0,
+        sum_prefill_tokens=prompt,
+        num_decode_requests=n_dec,
+        sum_decode_kv_tokens=n_dec * 100,
+    )
+    wall = 0.002 + 1e-4 * n_dec + 2e-5 * prompt
+    return ForwardPassMetrics(
+        worker_id="a", counter_id=counter, wall_time=wall, scheduled_requests=sched
+    )
 
 
 def test_status_is_json_able() -> None:
     dm = DeploymentModel("d", cost_model=CostModel(warmup_passes=0, min_samples=5))
-    dm.ingest([_pass("a", c, 1 + c % 7) for c in range(50)], now=0.0)
+    dm.ingest([_mixed_pass(c) for c in range(50)], now=0.0)
     status = json.loads(json.dumps(dm.status(now=0.5)))
     assert status["name"] == "d"
     assert status["cost_model"]["ready"]
     assert "a/0" in status["stream_residuals"]
     assert status["load"]["complete"]
+    assert status["load"]["missing_streams"] == []
+
+
+def test_status_without_fresh_streams_shows_unknown_load_not_zero() -> None:
+    dm = DeploymentModel("d")
+    dm.add_stream(("pod-b", 0))
+    dm.ingest([_pass("a", c, 4) for c in range(10)], now=0.0)
+    load = json.loads(json.dumps(dm.status(now=100.0)))["load"]  # everything went silent
+    assert load["complete"] is False
+    assert load["missing_streams"] == ["a/0", "pod-b/0"]
+    assert load["decode_tokens_per_s"] is None and load["queued_decode_requests"] is None
+    assert load["mean_decode_context_tokens"] is None and load["busy_fraction"] is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from stepscale_engine.wire import (
@@ -11,6 +13,8 @@ from stepscale_engine.wire import (
     heartbeat,
 )
 from stepscale_operator.load_estimate import LoadEstimator
+from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.stream_state import DEFAULT_STALE_AFTER_S
 
 
 def _msg(
@@ -170,3 +174,134 @@ def test_window_forgets_old_load() -> None:
     feed(est, 10, 20, DECODE)
     est.observe(heartbeat("w", 0, 10_000), 30.0)
     assert est.estimate(30.0).decode_tokens_per_s == 0.0
+
+
+def test_eviction_keeps_recently_active_streams() -> None:
+    est = LoadEstimator(max_streams=3)
+    for i, name in enumerate("abc"):
+        est.observe(_msg(0, DECODE, name), float(i))
+    est.observe(_msg(1, DECODE, "a"), 5.0)  # a speaks again: b is now the longest silent
+    est.observe(_msg(0, DECODE, "d"), 6.0)
+    assert sorted(k[0] for k in est.streams) == ["a", "c", "d"]
+
+
+def test_default_staleness_is_the_shared_one() -> None:
+    assert LoadEstimator().stale_after_s == DEFAULT_STALE_AFTER_S
+
+
+def test_hostile_values_are_rejected_counted_and_do_not_skew_the_load() -> None:
+    est = LoadEstimator(window_s=10.0)
+    # Valid on the wire, absurd as a pass: 1e12 prompt tokens in 10 ms. Learned, it
+    # would also become the stream's token budget, and no chunk would look full again.
+    absurd = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=10**12)
+    est.observe(_msg(0, absurd), 0.0)
+    counter = 1
+    for second in range(10):  # the chunked prompt of test_chunk_continuations_are_not_cache_hits
+        for chunk in range(3):
+            sched = ScheduledRequestMetrics(
+                num_prefill_requests=1, sum_prefill_tokens=1000, sum_prefill_kv_tokens=1000 * chunk
+            )
+            est.observe(_msg(counter, sched), second + chunk * 0.1)
+            counter += 1
+        tail = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=10)
+        est.observe(_msg(counter, tail), second + 0.5)
+        counter += 1
+    # Within the hard limits but 1000x this stream's largest pass: not believed either.
+    beyond = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=10**6)
+    est.observe(_msg(counter, beyond, wall=1.0), 9.6)
+    flooded = QueuedRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=10**15)
+    est.observe(_msg(counter + 1, DECODE, queued=flooded), 9.7)
+    load = est.estimate(10.0)
+    assert est.rejected == {"size": 1, "budget": 1, "queue": 1}
+    assert load.prefix_cache_hit_fraction == pytest.approx(0.0)
+    assert load.prefill_tokens_per_s == pytest.approx(3010.0, rel=0.1)
+    assert load.queued_prefill_tokens == 0.0
+    assert load.complete  # rejected content is still liveness
+
+
+def test_queue_mean_over_the_window_and_queue_trends() -> None:
+    est = LoadEstimator(window_s=30.0)
+    for step in range(300):  # the queue grows linearly: 100 tokens and 2 requests per second
+        t = step * 0.1
+        q = QueuedRequestMetrics(
+            num_prefill_requests=int(t),
+            sum_prefill_tokens=int(100 * t),
+            num_decode_requests=int(2 * t),
+        )
+        est.observe(_msg(step, DECODE, queued=q), t)
+    load = est.estimate(30.0)
+    assert load.queued_prefill_tokens == pytest.approx(2990.0)  # the latest value
+    assert load.queued_prefill_tokens_mean == pytest.approx(1500.0, rel=0.05)
+    assert load.queued_decode_requests_mean == pytest.approx(30.0, rel=0.05)
+    assert load.queued_prefill_tokens_trend == pytest.approx(100.0, rel=0.1)
+    assert load.queued_decode_requests_trend == pytest.approx(2.0, rel=0.1)
+    assert load.decode_tokens_per_s_trend == pytest.approx(0.0, abs=1.0)  # steady passes
+
+
+def test_queue_mean_smooths_a_burst_that_has_drained() -> None:
+    est = LoadEstimator(window_s=30.0)
+    q = QueuedRequestMetrics(num_prefill_requests=100, sum_prefill_tokens=10_000)
+    for step in range(300):
+        t = step * 0.1
+        est.observe(_msg(step, DECODE, queued=q if t < 15.0 else None), t)
+    load = est.estimate(30.0)
+    assert load.queued_prefill_requests == 0.0  # now
+    assert load.queued_prefill_requests_mean == pytest.approx(50.0, rel=0.05)  # over the window
+    assert load.queued_prefill_tokens_trend < 0.0
+
+
+def test_no_fresh_stream_is_unknown_load_never_zero() -> None:
+    est = LoadEstimator(window_s=10.0, stale_after_s=3.0)
+    est.add_stream(("never", 1))
+    feed(est, 5, 20, DECODE, worker="a")
+    load = est.estimate(100.0)
+    d = load.to_dict()
+    assert d["complete"] is False and d["streams_missing"] == 2
+    assert d["missing_streams"] == ["a/0", "never/1"]
+    for key in (
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "mean_decode_context_tokens",
+        "prefix_cache_hit_fraction",
+        "queued_prefill_tokens",
+        "queued_decode_requests_mean",
+        "decode_tokens_per_s_trend",
+        "queued_prefill_tokens_trend",
+        "busy_fraction",
+    ):
+        assert d[key] is None, key
+    assert d["window_s"] == 10.0
+    # The dataclass stays plain floats for the planner, which holds on incomplete load.
+    assert load.decode_tokens_per_s == 0.0 and "decode_tokens_per_s" in load.unavailable
+
+
+def test_values_with_nothing_to_average_are_null() -> None:
+    est = LoadEstimator(window_s=10.0)
+    feed(est, 10, 20, DECODE)  # decode only: no prompt to measure
+    d = est.estimate(10.0).to_dict()
+    assert d["mean_decode_context_tokens"] == pytest.approx(500.0)
+    assert d["prefix_cache_hit_fraction"] is None and d["mean_prompt_tokens"] is None
+    assert d["prefill_tokens_per_s"] == 0.0  # measured: there was none
+    idle = LoadEstimator(window_s=10.0)
+    for i in range(10):
+        idle.observe(heartbeat("idle", 0, i), float(i))
+    d = idle.estimate(9.5).to_dict()
+    assert d["decode_tokens_per_s"] == 0.0 and d["mean_decode_context_tokens"] is None
+
+
+def test_trends_need_two_sub_windows() -> None:
+    est = LoadEstimator(window_s=30.0)
+    feed(est, 2, 20, DECODE)  # 2 s of data; sub-windows are 5 s
+    d = est.estimate(2.0).to_dict()
+    assert d["decode_tokens_per_s_trend"] is None and d["queued_decode_requests_trend"] is None
+    assert d["decode_tokens_per_s"] == pytest.approx(200.0, rel=0.1)
+
+
+def test_to_dict_round_trips() -> None:
+    est = LoadEstimator(window_s=10.0)
+    est.add_stream(("gone", 0))
+    feed(est, 10, 20, DECODE)
+    load = est.estimate(10.0)
+    again = LoadEstimate.from_dict(json.loads(json.dumps(load.to_dict())))
+    assert again == load
+    assert again.missing_streams == ("gone/0",) and "mean_prompt_tokens" in again.unavailable

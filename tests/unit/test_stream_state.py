@@ -39,10 +39,18 @@ def test_restart_detected_and_counted() -> None:
 
 def test_duplicate_is_counted_not_accepted() -> None:
     table = StreamTable()
-    table.observe_batch([_pass("a", 0, 0), _pass("a", 0, 1), _pass("a", 0, 1)], now=1.0)
+    result = table.observe_batch(
+        [_pass("a", 0, 0), _pass("b", 0, 7), _pass("a", 0, 1), _pass("a", 0, 1)], now=1.0
+    )
     state = table.get(("a", 0))
     assert state is not None
     assert (state.messages, state.duplicates, state.lost, state.restarts) == (2, 1, 0, 0)
+    # The mask is in input order, so consumers can drop exactly the duplicate.
+    assert result.mask.tolist() == [True, True, True, False]
+    assert result.accepted == 3 and not result.all_accepted
+    # A duplicate of the last message of an earlier batch is caught too.
+    again = table.observe_batch([_pass("a", 0, 1), _pass("a", 0, 2)], now=2.0)
+    assert again.mask.tolist() == [False, True]
 
 
 def test_heartbeats_are_liveness_not_passes() -> None:
@@ -86,6 +94,23 @@ def test_memory_bounded_evicts_unexpected_longest_silent() -> None:
     assert table.evicted == 8
 
 
+def test_eviction_follows_recent_activity_not_creation_order() -> None:
+    table = StreamTable(max_streams=3)
+    for i, name in enumerate("abc"):
+        table.observe(_pass(name, 0, 0), now=float(i))
+    table.observe(_pass("a", 0, 1), now=5.0)  # a speaks again: b is now the longest silent
+    table.observe(_pass("d", 0, 0), now=6.0)
+    assert sorted(k[0] for k in table) == ["a", "c", "d"]
+    # With every stream expected, the longest-silent expected one goes.
+    for name in "acd":
+        table.expect((name, 0))
+    table.observe(_pass("e", 0, 0), now=7.0)
+    assert sorted(k[0] for k in table) == ["c", "d", "e"]
+    table.forget(("c", 0))
+    table.observe(_pass("f", 0, 0), now=8.0)
+    assert sorted(k[0] for k in table) == ["d", "e", "f"]
+
+
 def test_health_is_json_able() -> None:
     table = StreamTable()
     table.expect(("gone", 0))
@@ -119,6 +144,16 @@ def _reference(seqs: list[tuple[int, int]]) -> dict[int, tuple[int, int, int, in
     return {k: (v[0], v[1], v[2], v[3], v[4]) for k, v in out.items()}
 
 
+def _reference_mask(seqs: list[tuple[int, int]]) -> list[bool]:
+    """Message-by-message: False where the sequence repeats its stream's last one."""
+    last: dict[int, int] = {}
+    mask = []
+    for stream, seq in seqs:
+        mask.append(last.get(stream) != seq)
+        last[stream] = seq
+    return mask
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
@@ -131,9 +166,13 @@ def test_vectorised_batches_match_sequential_reference(
     batches: list[list[tuple[int, int]]],
 ) -> None:
     table = StreamTable()
+    masks: list[bool] = []
     for i, batch in enumerate(batches):
-        table.observe_batch([_pass("w", s, c) for s, c in batch], now=float(i))
-    expected = _reference([item for batch in batches for item in batch])
+        result = table.observe_batch([_pass("w", s, c) for s, c in batch], now=float(i))
+        masks += result.mask.tolist()
+    flat = [item for batch in batches for item in batch]
+    expected = _reference(flat)
+    assert masks == _reference_mask(flat)
     for stream, (messages, lost, restarts, dups, since) in expected.items():
         state = table.get(("w", stream))
         assert state is not None
