@@ -7,8 +7,10 @@ Dynamo-style and the oracle (sized by the ground-truth capacity the simulator
 measures for the traffic, so it meets the target and bounds GPU-hours from below).
 ``--quick`` shortens both scenarios for iterating; ``--jobs`` (default 2) runs
 policies in parallel processes. Prints the table, the planner's prediction accuracy
-(predicted vs simulated TTFT/ITL at the replica counts it ran) and the simulator's
-speed; writes ``results/bench_policies.json`` and ``results/policies_timeline.png``.
+(predicted vs simulated TTFT/ITL at the replica counts it ran), PASS/FAIL for each
+of the issue's targets per scenario, and the simulator's speed; writes
+``results/bench_policies.json`` (``criteria`` holds the verdicts) and
+``results/policies_timeline.png``.
 The Azure trace is read from ``../shared/traces/`` when present; without it only
 the synthetic scenario runs.
 """
@@ -22,21 +24,19 @@ import multiprocessing
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import numpy as np
 
 from stepscale_operator.planner import EngineLimits, PlannerPolicy, SloTargets
 from stepscale_operator.simulator.fleet import Fleet, FleetConfig, SimResult
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B
-from stepscale_operator.simulator.policies import PlannerDrivenPolicy, ScalingSetup, StaticPolicy
-from stepscale_operator.simulator.report import (
-    RunSummary,
-    format_table,
-    plot_timeline,
-    request_latencies,
+from stepscale_operator.simulator.policies import (
+    PlannerDrivenPolicy,
+    ScalingSetup,
+    StaticPolicy,
+    prediction_errors,
 )
+from stepscale_operator.simulator.report import RunSummary, format_table, plot_timeline
 from stepscale_operator.simulator.scenario import (
     POLICY_NAMES,
     GroundTruthSizing,
@@ -52,48 +52,99 @@ SLO = SloTargets(ttft_ms=1000.0, itl_ms=40.0)
 SETUP = ScalingSetup(slo=SLO, limits=EngineLimits(), startup_s=60.0, max_replicas=64)
 
 
-def prediction_accuracy(run: PolicyRun, window_s: float = 30.0) -> dict[str, float]:
-    """Median relative error of the planner's predictions against the simulation.
-
-    For each decision where the ready count did not change over the estimator's
-    window, compare the prediction for the measured load with the requests that
-    arrived in that window.
-    """
-    policy = run.policy
-    if not isinstance(policy, PlannerDrivenPolicy):
+def prediction_accuracy(run: PolicyRun) -> dict[str, float]:
+    """Median relative error of ours' predictions against the simulation (see
+    :func:`~stepscale_operator.simulator.policies.prediction_errors`)."""
+    if not isinstance(run.policy, PlannerDrivenPolicy):
         return {}
-    lat = request_latencies(run.result)
-    arrival = run.result.traffic.arrival_s
-    errors: dict[str, list[float]] = {
-        "ttft_mean": [],
-        "itl_mean": [],
-        "ttft_p99": [],
-        "itl_p99": [],
-    }
-    history: list[tuple[float, int]] = []
-    for check in policy.checks:
-        history.append((check.time, check.replicas))
-        recent = [n for t, n in history if t >= check.time - window_s]
-        if len(recent) < window_s / policy.interval_s or len(set(recent)) != 1:
+    return prediction_errors(run.policy, run.result)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One of the issue's acceptance criteria, judged on one scenario."""
+
+    scenario: str
+    criterion: str
+    value: str  # what was measured, in words
+    passed: bool | None  # None: not judged (a policy it needs did not run)
+
+
+ATTAINMENT_TARGET = 0.99
+ORACLE_RATIO_LIMIT = 1.15
+PREDICTION_ERROR_LIMIT = 0.10
+
+
+def judge(rows: list[RunSummary], accuracy: dict[str, dict[str, float]]) -> list[Verdict]:
+    """The issue's targets, per scenario: PASS, FAIL, or not judged."""
+    verdicts: list[Verdict] = []
+    for scenario in dict.fromkeys(r.scenario for r in rows):
+        runs = {r.policy: r for r in rows if r.scenario == scenario}
+        verdicts.extend(_judge_scenario(scenario, runs, accuracy.get(scenario, {})))
+    return verdicts
+
+
+def _judge_scenario(
+    scenario: str, runs: dict[str, RunSummary], acc: dict[str, float]
+) -> list[Verdict]:
+    ours = runs.get("ours")
+    out: list[Verdict] = []
+
+    def add(criterion: str, value: str, passed: bool | None) -> None:
+        out.append(Verdict(scenario, criterion, value, passed))
+
+    if ours is None:
+        return [Verdict(scenario, "all criteria", "ours did not run", None)]
+    add(
+        f"ours TTFT and ITL attainment >= {ATTAINMENT_TARGET:.0%}",
+        f"TTFT {ours.ttft_attainment:.2%}, ITL {ours.itl_attainment:.2%}",
+        min(ours.ttft_attainment, ours.itl_attainment) >= ATTAINMENT_TARGET,
+    )
+    oracle = runs.get("oracle")
+    if oracle is None or oracle.gpu_hours <= 0.0:
+        add(f"GPU-hours <= {ORACLE_RATIO_LIMIT}x oracle", "oracle did not run", None)
+    else:
+        ratio = ours.gpu_hours / oracle.gpu_hours
+        add(
+            f"GPU-hours <= {ORACLE_RATIO_LIMIT}x oracle",
+            f"{ours.gpu_hours:.2f} / {oracle.gpu_hours:.2f} = {ratio:.2f}x",
+            ratio <= ORACLE_RATIO_LIMIT,
+        )
+    for name in ("hpa", "dynamo"):
+        other = runs.get(name)
+        criterion = f"fewer GPU-hours than {name} at equal or better attainment"
+        if other is None:
+            add(criterion, f"{name} did not run", None)
             continue
-        lo, hi = np.searchsorted(arrival, [check.time - window_s, check.time])
-        ttft = lat.ttft_ms[lo:hi]
-        itl = lat.itl_ms[lo:hi]
-        itl = itl[np.isfinite(itl) & (itl > 0)]
-        ttft = ttft[np.isfinite(ttft)]
-        if ttft.size < 50 or itl.size < 50:
+        add(
+            criterion,
+            f"GPU-h {ours.gpu_hours:.2f} vs {other.gpu_hours:.2f}, "
+            f"attainment {ours.attainment:.2%} vs {other.attainment:.2%}",
+            ours.gpu_hours < other.gpu_hours and ours.attainment >= other.attainment,
+        )
+    for metric in ("ttft", "itl"):
+        key = f"median_error_{metric}_mean"
+        criterion = (
+            f"predicted vs simulated mean {metric.upper()} median error "
+            f"<= {PREDICTION_ERROR_LIMIT:.0%}"
+        )
+        if key not in acc:
+            add(criterion, "no steady window to compare", None)
             continue
-        pairs = {
-            "ttft_mean": (check.ttft_mean_ms, float(ttft.mean())),
-            "itl_mean": (check.itl_mean_ms, float(itl.mean())),
-            "ttft_p99": (check.ttft_ms, float(np.percentile(ttft, 99))),
-            "itl_p99": (check.itl_ms, float(np.percentile(itl, 99))),
-        }
-        for key, (pred, sim) in pairs.items():
-            errors[key].append(abs(pred - sim) / sim)
-    out = {f"median_error_{k}": float(np.median(v)) for k, v in errors.items() if v}
-    out["windows"] = float(len(errors["itl_mean"]))
+        add(
+            criterion,
+            f"{acc[key]:.1%} over {acc.get('windows', 0):.0f} windows",
+            acc[key] <= PREDICTION_ERROR_LIMIT,
+        )
     return out
+
+
+def print_verdicts(verdicts: list[Verdict]) -> None:
+    """One line per criterion: PASS, FAIL or n/a, what, and the measured values."""
+    print("Issue targets:")
+    for v in verdicts:
+        mark = "n/a " if v.passed is None else ("PASS" if v.passed else "FAIL")
+        print(f"  {mark}  {v.scenario:<22} {v.criterion}: {v.value}")
 
 
 def speed_check(trace: Traffic | None) -> dict[str, float]:
@@ -230,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{k.removeprefix('median_error_')} {v:.1%}" for k, v in acc.items() if k != "windows"
         )
         print(f"  {name}: {parts} over {acc.get('windows', 0):.0f} windows")
+    verdicts = judge(rows, accuracy)
+    print()
+    print_verdicts(verdicts)
     print(
         f"Speed: {speed['simulated_s']:.0f} s of {speed['requests']:.0f} requests on 20 replicas "
         f"({speed['passes']:.0f} passes) simulated in {speed['wall_s']:.1f} s"
@@ -252,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "oracle_gpu_hours": oracle,
         "prediction_accuracy": accuracy,
+        "criteria": [asdict(v) for v in verdicts],
         "speed": speed,
         "total_wall_s": total_s,
     }

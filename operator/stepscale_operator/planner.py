@@ -243,6 +243,21 @@ def _overloaded(replicas: int, bottleneck: str, step_s: float, batch: float) -> 
     )
 
 
+def no_replicas_prediction() -> LatencyPrediction:
+    """What zero replicas serve: nothing (infeasible, not "as if one replica")."""
+    return LatencyPrediction(
+        replicas=0,
+        ttft_ms=math.inf,
+        itl_ms=math.inf,
+        ttft_mean_ms=math.inf,
+        itl_mean_ms=math.inf,
+        step_time_ms=math.inf,
+        decode_batch=0.0,
+        prefill_utilisation=math.inf,
+        bottleneck="no_replicas",
+    )
+
+
 def predict_latency(
     predictor: StepTimePredictor,
     load: PerReplicaLoad,
@@ -421,7 +436,12 @@ class Decision:
     apply: bool
     reason: str
     confidence: float
-    predicted_current: LatencyPrediction | None  # at the ready replicas
+    # At the ready replicas and at the desired count (less pods stuck starting), both
+    # on the load named by ``inputs["predictions_load"]`` ("planned": the forecast
+    # a scale-up or hold is judged on; "measured": what a scale-down is judged on).
+    # Zero replicas serve nothing: an infeasible "no_replicas" prediction. None when
+    # no load was judged (stale data, no cost model, a clamp to the bounds).
+    predicted_current: LatencyPrediction | None
     predicted_desired: LatencyPrediction | None
     inputs: dict[str, object] = field(default_factory=dict)
 
@@ -495,20 +515,13 @@ class Planner:
         }
         lo, hi = inputs.min_replicas, max(inputs.max_replicas, inputs.min_replicas)
 
+        if total > hi:
+            return self._clamp_to_max(inputs, now, total, hi, record)
+
         stale_reason = self._stale_reason(inputs, now)
         if stale_reason:
-            desired = min(max(total, lo), hi)
-            self._remember(now, desired)
-            return self._finish(
-                inputs,
-                now,
-                total,
-                desired,
-                f"hold: {stale_reason}; never scale down on missing data",
-                0.0,
-                record,
-                None,
-                None,
+            return self._hold_or_raise_to_min(
+                inputs, now, total, lo, record, f"{stale_reason}; never scale down on missing data"
             )
         assert inputs.load is not None
 
@@ -535,6 +548,8 @@ class Planner:
         predictor = _RememberedPredictions(inputs.predictor)
 
         def prediction(n: int, load: LoadEstimate = planned) -> LatencyPrediction:
+            if n <= 0:
+                return no_replicas_prediction()
             return predict_latency(
                 predictor,
                 PerReplicaLoad.from_estimate(load, n),
@@ -542,6 +557,14 @@ class Planner:
                 policy,
                 n,
             )
+
+        def reported(
+            basis: str, desired_serving: int
+        ) -> tuple[LatencyPrediction, LatencyPrediction]:
+            # Both predictions of a decision use the same load: the one it was judged on.
+            record["predictions_load"] = basis
+            load = measured if basis == "measured" else planned
+            return prediction(inputs.replicas.ready, load), prediction(desired_serving, load)
 
         search_high = max(hi, coming, 1)
         if planned.prefill_tokens_per_s <= 0.0 and planned.decode_tokens_per_s <= 0.0:
@@ -577,19 +600,27 @@ class Planner:
 
         if needed + timed_out > total or total < lo:
             target = max(needed + timed_out, lo)
-            desired = min(target, total + policy.max_surge, hi)
+            # The surge limits growth; the spec's bounds always apply.
+            desired = max(min(target, total + policy.max_surge, hi), lo)
             self._remember(now, desired)
-            why = (
-                f"scale up: predicted latency at {coming} replicas exceeds the SLO less "
-                f"{margin:.0%} margin for the load {horizon:.0f}s ahead; {needed} needed"
-            )
+            if needed + timed_out > total:
+                head = "scale up" if desired > total else f"hold at maxReplicas {hi}"
+                why = (
+                    f"{head}: predicted latency at {coming} replicas exceeds the SLO less "
+                    f"{margin:.0%} margin for the load {horizon:.0f}s ahead; {needed} needed"
+                )
+            else:
+                why = (
+                    f"scale up to minReplicas {lo} (spec bound); {needed} needed for the "
+                    f"load {horizon:.0f}s ahead"
+                )
             if backlog_replicas:
                 why += f" (incl. {backlog_replicas} to drain the queued prefill backlog)"
             if timed_out:
                 why += f", plus {timed_out} replacing pods stuck starting"
             if not reachable:
                 why += f" (SLO not reachable even at {search_high})"
-            if desired < target:
+            if total < desired < target:
                 why += f"; limited to {desired} by max surge/max replicas"
             return self._finish(
                 inputs,
@@ -599,8 +630,7 @@ class Planner:
                 why,
                 confidence,
                 record,
-                prediction(max(inputs.replicas.ready, 1)),
-                prediction(max(desired - timed_out, 1)),
+                *reported("planned", desired - timed_out),
             )
 
         candidate = max(down_ok + timed_out, lo)
@@ -610,23 +640,22 @@ class Planner:
         record["stabilised_recommendation"] = stabilised
         if candidate < total and window_covered and stabilised < total:
             desired = max(stabilised, total - policy.scale_down_step, lo)
-            n_after = max(desired - timed_out, 1)
+            n_after = desired - timed_out
             why = (
-                f"scale down: survivors at {n_after} replicas, each carrying "
-                f"{coming}/{n_after} of today's share, are predicted within the SLO less "
-                f"{margin + policy.hysteresis:.0%}, for the whole "
+                f"scale down {total} -> {desired}: the measured load split over {n_after} "
+                f"replicas (now {inputs.replicas.ready} serving) is predicted within the SLO "
+                f"less {margin + policy.hysteresis:.0%}, for the whole "
                 f"{policy.scale_down_stabilization_s:.0f}s stabilization window"
             )
             return self._finish(
                 inputs,
                 now,
                 total,
-                min(desired, hi),
+                desired,
                 why,
                 confidence,
                 record,
-                prediction(max(inputs.replicas.ready, 1)),
-                prediction(n_after, measured),
+                *reported("measured", n_after),
             )
         if load_floor < total <= burst_floor + timed_out:
             ago = now - (self._last_burst if self._last_burst is not None else now)
@@ -640,19 +669,23 @@ class Planner:
                 f"{policy.scale_down_stabilization_s:.0f}s stabilization window "
                 f"(highest recent recommendation {stabilised})"
             )
+        elif not reachable:
+            why = (
+                f"hold at maxReplicas {hi}: predicted latency exceeds the SLO less "
+                f"{margin:.0%} margin even at {search_high} (SLO not reachable)"
+            )
         else:
             why = f"hold: {total} replicas meet the SLO with margin; fewer would not"
-        desired = min(max(total, lo), hi)
+        # lo <= total <= hi here: a hold never changes the count.
         return self._finish(
             inputs,
             now,
             total,
-            desired,
+            total,
             why,
             confidence,
             record,
-            prediction(max(inputs.replicas.ready, 1)),
-            prediction(max(desired - timed_out, 1)),
+            *reported("planned", coming),
         )
 
     # -- pieces ------------------------------------------------------------------
@@ -764,20 +797,64 @@ class Planner:
         record["queued_per_replica"] = per_replica
         target = self.policy.queue_per_replica_target
         needed = math.ceil(serving * per_replica / target) if per_replica > target else 0
-        if needed > total or total < lo:
-            desired = min(max(needed, lo), total + self.policy.max_surge, hi)
-            why = (
-                f"scale up (cost model not ready): {per_replica:.1f} queued requests per "
-                f"replica exceed the target {target:.1f}"
+        if needed <= total or total >= hi:
+            capped = f" ({needed} wanted, at maxReplicas {hi})" if needed > total else ""
+            return self._hold_or_raise_to_min(
+                inputs,
+                now,
+                total,
+                lo,
+                record,
+                f"cost model not ready, {per_replica:.1f} queued requests per replica{capped}; "
+                "the queue rule never scales down",
+                confidence=0.3,
             )
-        else:
-            desired = min(max(total, lo), hi)
-            why = (
-                f"hold (cost model not ready): {per_replica:.1f} queued requests per replica; "
-                "the queue rule never scales down"
-            )
+        desired = max(min(needed, total + self.policy.max_surge, hi), lo)
+        why = (
+            f"scale up (cost model not ready): {per_replica:.1f} queued requests per "
+            f"replica exceed the target {target:.1f}"
+        )
         self._remember(now, desired)
         return self._finish(inputs, now, total, desired, why, 0.3, record, None, None)
+
+    def _clamp_to_max(
+        self, inputs: PlannerInputs, now: float, total: int, hi: int, record: dict[str, object]
+    ) -> Decision:
+        """More replicas than ``max_replicas``: the user lowered the bound, so it applies now.
+
+        A spec change, not a load decision: it is taken whatever the data (even
+        stale), and reported as such, never as a hold.
+        """
+        self._remember(now, hi)
+        why = (
+            f"scale down to maxReplicas {hi}: clamped to maxReplicas, {total} replicas "
+            "exceed the spec's bound"
+        )
+        return self._finish(inputs, now, total, hi, why, 1.0, record, None, None)
+
+    def _hold_or_raise_to_min(
+        self,
+        inputs: PlannerInputs,
+        now: float,
+        total: int,
+        lo: int,
+        record: dict[str, object],
+        why: str,
+        confidence: float = 0.0,
+    ) -> Decision:
+        """Keep the current count (``total <= max_replicas``), or raise it to ``min_replicas``.
+
+        Used where the planner may not judge the load (missing or stale data, no
+        cost model): it never goes below the current count.
+        """
+        desired = max(total, lo)
+        reason = (
+            f"scale up to minReplicas {lo} (spec bound); {why}"
+            if desired > total
+            else f"hold: {why}"
+        )
+        self._remember(now, desired)
+        return self._finish(inputs, now, total, desired, reason, confidence, record, None, None)
 
     def _remember(self, now: float, replicas: int) -> None:
         self._history.append(_Recommendation(now, replicas))

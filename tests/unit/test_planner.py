@@ -281,7 +281,8 @@ def test_no_flapping_under_steady_noisy_load() -> None:
 
 def test_looks_ahead_by_startup_time_using_the_trend() -> None:
     flat = needed_for(load_of(45.0))
-    # Half the trend over the 60 s start-up (+10 s): +17.5 req/s, capped at +20%.
+    # Half the trend over the 60 s start-up (+10 s): +17.5 req/s, capped at
+    # max_forecast_ratio (+30%: 58.5 req/s).
     rising = needed_for(load_of(45.0, trend=0.5))
     assert rising == needed_for(load_of(45.0 * PlannerPolicy().max_forecast_ratio))
     falling = needed_for(load_of(45.0, trend=-0.2))
@@ -421,3 +422,116 @@ def test_look_ahead_follows_a_persistent_rise_not_a_noisy_blip() -> None:
         desired.append(d.desired_replicas)
     assert desired[0] == flat  # the dip at 10 s is still in the window
     assert desired[-1] == rising  # a rise held for 15 s is a ramp: look ahead on it
+
+
+# -- bounds, holds and the predictions a decision reports ------------------------------
+
+
+def test_holds_never_go_below_the_current_count_and_clamping_to_max_is_its_own_reason() -> None:
+    tiny = load_of(0.5)
+    stale = inputs_for(tiny, 10, now=1000.0, load_age_s=600.0, max_replicas=6)
+    missing = inputs_for(replace(tiny, streams_missing=1), 10, now=1000.0, max_replicas=6)
+    queue_rule = inputs_for(tiny, 10, now=1000.0, model_ready=False, max_replicas=6)
+    fresh = inputs_for(tiny, 10, now=1000.0, max_replicas=6)
+    for inputs in (stale, missing, queue_rule, fresh):
+        d = Planner(PlannerPolicy(scale_down_stabilization_s=0.0)).decide(inputs, now=1000.0)
+        # maxReplicas lowered below the fleet: a spec change, applied whatever the data,
+        # and never labelled a hold.
+        assert d.action == "scale_down" and d.desired_replicas == 6
+        assert "clamped to maxReplicas" in d.reason and not d.reason.startswith("hold")
+    # Within the bounds, missing data and the queue rule keep the count exactly.
+    for inputs in (
+        replace(stale, max_replicas=50),
+        replace(missing, max_replicas=50),
+        replace(queue_rule, max_replicas=50),
+    ):
+        d = Planner(PlannerPolicy(scale_down_stabilization_s=0.0)).decide(inputs, now=1000.0)
+        assert (d.action, d.desired_replicas) == ("hold", 10) and d.reason.startswith("hold")
+    # Below minReplicas, the bound raises the count, and says so.
+    d = Planner().decide(replace(stale, min_replicas=12, max_replicas=50), now=1000.0)
+    assert d.action == "scale_up" and d.desired_replicas == 12
+    assert d.reason.startswith("scale up to minReplicas")
+
+
+def test_a_scale_up_at_max_replicas_is_reported_as_a_hold() -> None:
+    d = Planner().decide(inputs_for(load_of(120.0), 3, max_replicas=3), now=0.0)
+    assert d.action == "hold" and d.desired_replicas == 3
+    assert d.reason.startswith("hold at maxReplicas 3") and "not reachable" in d.reason
+    queued = inputs_for(load_of(5.0, queued=400.0), 3, model_ready=False, max_replicas=3)
+    d = Planner().decide(queued, now=0.0)
+    assert d.action == "hold" and d.reason.startswith("hold") and "maxReplicas 3" in d.reason
+
+
+def _load_from_record(record: object) -> LoadEstimate:
+    assert isinstance(record, dict)
+    return LoadEstimate(**{k: v for k, v in record.items() if k != "complete"})
+
+
+def _predict(load: LoadEstimate, n: int) -> float:
+    per = PerReplicaLoad.from_estimate(load, n)
+    return predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), n).ttft_mean_ms
+
+
+def test_both_predictions_of_a_decision_use_the_same_named_load() -> None:
+    # Scale-up: judged, and reported, on the planned (look-ahead) load.
+    up = Planner().decide(inputs_for(load_of(120.0, trend=0.5), 4), now=0.0)
+    assert up.action == "scale_up" and up.inputs["predictions_load"] == "planned"
+    planned = _load_from_record(up.inputs["planned_load"])
+    assert planned.prefill_tokens_per_s > load_of(120.0).prefill_tokens_per_s
+    assert up.predicted_current is not None and up.predicted_desired is not None
+    assert up.predicted_current.ttft_mean_ms == pytest.approx(_predict(planned, 4))
+    assert up.predicted_desired.ttft_mean_ms == pytest.approx(
+        _predict(planned, up.desired_replicas)
+    )
+    # Scale-down: judged, and reported, on the measured load.
+    measured = load_of(10.0)
+    down = Planner(PlannerPolicy(scale_down_stabilization_s=0.0)).decide(
+        inputs_for(measured, 8), now=0.0
+    )
+    assert down.action == "scale_down" and down.inputs["predictions_load"] == "measured"
+    assert down.predicted_current is not None and down.predicted_desired is not None
+    assert down.predicted_current.ttft_mean_ms == pytest.approx(_predict(measured, 8))
+    assert down.predicted_desired.ttft_mean_ms == pytest.approx(_predict(measured, 7))
+
+
+def test_with_no_ready_replica_the_current_prediction_is_infeasible_not_one_replica() -> None:
+    d = Planner().decide(inputs_for(load_of(5.0), 0, starting=(-10.0,)), now=0.0)
+    current = d.predicted_current
+    assert current is not None and current.replicas == 0
+    assert not current.feasible and current.bottleneck == "no_replicas"
+    assert current.ttft_mean_ms == float("inf")
+    # The desired count (the starting pod counted as coming) is predicted normally.
+    assert d.predicted_desired is not None and d.predicted_desired.feasible
+
+
+def test_scale_down_reason_is_worded_from_the_actual_counts() -> None:
+    policy = PlannerPolicy(scale_down_stabilization_s=0.0, scale_down_step=3)
+    d = Planner(policy).decide(inputs_for(load_of(5.0), 10), now=0.0)
+    assert d.action == "scale_down" and d.desired_replicas == 7
+    assert "10 -> 7" in d.reason and "over 7 replicas" in d.reason
+    assert "/9" not in d.reason
+
+
+def test_ttft_rises_steeply_as_prefill_utilisation_nears_one() -> None:
+    per_rate = [2.0, 6.0, 10.0, 14.0, 18.0, 22.0, 25.0, 28.0, 40.0]
+    preds = [
+        predict_latency(
+            LinearStepTime(),
+            PerReplicaLoad.from_estimate(load_of(rate, output=50.0), 1),
+            ENGINE,
+            PlannerPolicy(),
+        )
+        for rate in per_rate
+    ]
+    feasible = [p for p in preds if p.feasible]
+    assert len(feasible) >= 4
+    rho = [p.prefill_utilisation for p in feasible]
+    waits = [p.ttft_mean_ms for p in feasible]
+    assert rho == sorted(rho) and rho[-1] > 0.95
+    # Convex: each step of load adds more TTFT than the one before (queueing, 1/(1-rho)).
+    steps = [b - a for a, b in zip(waits, waits[1:], strict=False)]
+    assert all(b > a for a, b in zip(steps, steps[1:], strict=False))
+    assert waits[-1] > 10.0 * waits[-3]  # 0.66 -> 0.97 utilisation: ten times the TTFT
+    # Past capacity the prediction is infeasible, named by the prefill bottleneck.
+    over = preds[len(feasible) :]
+    assert over and all(p.bottleneck in ("prefill_queue", "prefill_compute") for p in over)

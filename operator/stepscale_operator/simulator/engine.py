@@ -85,7 +85,7 @@ class SimEngine:
         limits: EngineLimits,
         profile: StepTimeProfile,
         seed: int,
-        on_finish: Callable[[SimEngine, int], None],
+        on_finish: Callable[[SimEngine, int], None] | None = None,
         emit_fpm: bool = False,
     ) -> None:
         self.worker_id = worker_id
@@ -376,7 +376,8 @@ class SimEngine:
         self.req.finish_s[rid] = now
         for table in (self._need, self._done, self._generated):
             table.pop(rid, None)
-        self.on_finish(self, rid)
+        if self.on_finish is not None:
+            self.on_finish(self, rid)
 
     # -- metrics -----------------------------------------------------------------
 

@@ -59,6 +59,22 @@ class FleetView:
     outstanding: int
 
 
+class FpmTap(Protocol):
+    """Receives every simulated pod's FPM (e.g. to publish it over ZMQ)."""
+
+    def __call__(self, batch: Sequence[tuple[float, ForwardPassMetrics]]) -> None:
+        """One housekeeping tick's messages of every live pod, in time order."""
+        ...
+
+    def replica_stopped(self, worker_id: str) -> None:
+        """A pod stopped: its stream ends."""
+        ...
+
+    def close(self) -> None:
+        """The simulated fleet is gone: end every stream."""
+        ...
+
+
 class ScalingPolicy(Protocol):
     """A replica-count policy driven by the fleet."""
 
@@ -119,7 +135,7 @@ class Fleet:
         traffic: Traffic,
         policy: ScalingPolicy,
         config: FleetConfig | None = None,
-        fpm_tap: Callable[[Sequence[tuple[float, ForwardPassMetrics]]], None] | None = None,
+        fpm_tap: FpmTap | None = None,
     ) -> None:
         self.traffic = traffic
         self.policy = policy
@@ -155,7 +171,6 @@ class Fleet:
             self.config.limits,
             self.config.profile,
             seed=self.config.seed * 100_003 + index,
-            on_finish=self._on_finish,
             emit_fpm=self._emit_fpm(),
         )
         ready_s = now if ready_now else now + self.config.startup_s
@@ -181,6 +196,8 @@ class Fleet:
         replica.stopped_s = now
         self._version[replica.index] += 1
         self.policy.replica_stopped(replica.engine.worker_id, now)
+        if self.fpm_tap is not None:
+            self.fpm_tap.replica_stopped(replica.engine.worker_id)
 
     def _apply(self, desired: int, now: float) -> None:
         active = [r for r in self.replicas if r.state in ("starting", "ready")]
@@ -240,9 +257,6 @@ class Fleet:
         if end is not None:
             self._version[replica.index] += 1
             heapq.heappush(self._heap, (end, replica.index, self._version[replica.index]))
-
-    def _on_finish(self, engine: SimEngine, rid: int) -> None:
-        del engine, rid  # the request table already holds the outcome
 
     # -- housekeeping --------------------------------------------------------------
 

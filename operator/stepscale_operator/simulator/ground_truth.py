@@ -1,31 +1,45 @@
 """Ground-truth step time of simulated engines: an 8B model on one H100-class GPU.
 
-The default profile is a roofline with a fixed overhead, using published numbers:
+The default profile is a roofline with a fixed overhead. Where each number comes
+from:
 
-* Llama-3-8B: 8.03e9 parameters, bf16 weights = 16.06 GB, read once per pass.
-  32 layers, 8 KV heads of dim 128: K and V in bf16 take
-  32 * 8 * 128 * 2 * 2 = 131,072 bytes per token of context.
-* H100 SXM: 3.35 TB/s HBM3 (we assume ~85% achievable, 2.85 TB/s) and 989 TFLOP/s
-  dense bf16 (we assume 50% MFU for prefill-sized GEMMs, typical of vLLM).
+* Model, from Meta-Llama-3-8B's published ``config.json`` and model card:
+  ``hidden_size`` 4096, ``num_hidden_layers`` 32, ``num_attention_heads`` 32 (head
+  dim 4096 / 32 = 128), ``num_key_value_heads`` 8; 8.03e9 parameters, so bf16
+  weights take 16.06 GB, read once per pass. K and V in bf16 take
+  32 layers * 8 heads * 128 * 2 (K, V) * 2 bytes = 131,072 bytes per token.
+* GPU, from NVIDIA's H100 Tensor Core GPU datasheet (SXM form factor): 3.35 TB/s
+  of HBM3 bandwidth and 989 TFLOP/s dense BF16 (the datasheet's 1,979 is with
+  sparsity).
+
+Assumptions, not measured on a GPU (override them with ``--profile``):
+
+* 85% of the peak bandwidth is achievable (2.85 TB/s);
+* 50% model FLOP utilisation for prefill-sized GEMMs (495 TFLOP/s);
+* 1 ms per pass of scheduler, sampling and launch overhead, plus 10 us per
+  scheduled request (CPU-side batch preparation);
+* 3% multiplicative log-normal noise per pass (``--noise-sigma``).
+
+The model built on them:
+
 * Memory time = (weights + KV read for every context token + KV written for new
   prefill tokens) / bandwidth: the ~5.6 ms floor of a decode pass.
 * Compute time = 2 * params FLOP per processed token (GEMMs) plus attention,
   4 * layers * d_model * (context) FLOP per query token: a 2048-token prefill
-  chunk takes ~67 ms, i.e. ~30k prompt tokens/s, in line with published vLLM
-  prefill throughput for 8B models on H100.
-* A pass takes max(memory, compute) plus ~1 ms of scheduler/sampling/launch
-  overhead and ~10 us per scheduled request (CPU-side batch preparation).
+  chunk takes ~67 ms, i.e. ~30k prompt tokens/s.
+* A pass takes max(memory, compute) plus the overheads above.
 
-Noise is multiplicative and log-normal (3% by default), like the jitter seen on
-real passes; :meth:`StepTimeProfile.predict` is the noise-free mean, so the same
-object can stand in for a perfect cost model.
+:meth:`StepTimeProfile.predict` is the noise-free mean, so the same object can
+stand in for a perfect cost model.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -108,3 +122,20 @@ class StepTimeProfile:
 
 
 H100_LLAMA_8B = StepTimeProfile()
+
+
+def profile_with(base: StepTimeProfile, overrides: Mapping[str, object]) -> StepTimeProfile:
+    """``base`` with some fields replaced (numbers only); unknown names are an error."""
+    known = {f.name for f in fields(StepTimeProfile)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown profile fields {unknown}; known: {sorted(known)}")
+    values: dict[str, Any] = {}  # int or float, by field
+    for name, value in overrides.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"profile field {name!r} must be a number, not {value!r}")
+        # Rates divide; everything else may be zero (e.g. no noise, no overhead).
+        if value < 0 or (value == 0 and name in ("hbm_bytes_per_s", "flops_per_s")):
+            raise ValueError(f"profile field {name!r} out of range: {value!r}")
+        values[name] = int(value) if name in ("layers", "d_model") else float(value)
+    return replace(base, **values)

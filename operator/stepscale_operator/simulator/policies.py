@@ -7,7 +7,12 @@
 * ``hpa``: Kubernetes HPA on waiting requests per replica (15 s sync, 10%
   tolerance, immediate scale-up, 300 s scale-down stabilization).
 * ``dynamo``: a Dynamo-style load planner: every 5 s, +1 replica when predicted
-  TTFT or ITL exceeds the SLO, -1 when both are under 80% of it.
+  TTFT or ITL exceeds the SLO, -1 when both are under 80% of it. Replicas still
+  starting count as coming capacity (the prediction spreads the load over ready
+  + starting), so it neither overshoots during a start-up nor waits a whole
+  start-up per step; no -1 while a replica starts, and no -1 that its own
+  prediction says would miss the SLO (it would undo it on the next tick: a
+  2 -> 1 -> 2 flap on small fleets).
 * ``oracle``: knows the future arrival rate; starts replicas exactly one start-up
   time ahead, sized by the *ground-truth* capacity (per-replica rate at which the
   simulated fleet meets the attainment target on this request mix), and removes
@@ -34,6 +39,7 @@ from stepscale_operator.fpm_pipeline import DeploymentModel
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner import (
     EngineLimits,
+    LatencyPrediction,
     PerReplicaLoad,
     Planner,
     PlannerInputs,
@@ -44,7 +50,13 @@ from stepscale_operator.planner import (
     predict_latency,
     smallest_replicas_within_slo,
 )
-from stepscale_operator.simulator.fleet import Fleet, FleetConfig, FleetView, frontend_estimate
+from stepscale_operator.simulator.fleet import (
+    Fleet,
+    FleetConfig,
+    FleetView,
+    SimResult,
+    frontend_estimate,
+)
 from stepscale_operator.simulator.ground_truth import StepTimeProfile
 from stepscale_operator.simulator.report import request_latencies
 from stepscale_operator.simulator.traffic import Traffic
@@ -154,21 +166,37 @@ class DynamoPolicy(_NoFpm):
         self.policy = policy or PlannerPolicy()
 
     def desired(self, view: FleetView) -> int:
-        """One step up when over the SLO, one down when well under it."""
+        """One step up when over the SLO, one down when well under it.
+
+        Replicas still starting count as coming capacity (the prediction spreads
+        the load over ready + starting): predicting on the ready ones alone would
+        add one more every tick of the start-up time and overshoot, while waiting
+        for each start-up before the next step would ramp one replica per
+        start-up time. Down steps also need N-1 to be predicted within the SLO,
+        else a tight undershoot band flaps N, N-1, N.
+        """
         current = view.ready + len(view.starting_since)
         load = view.frontend_load
         if load is None or view.ready == 0:
             return current
-        per = PerReplicaLoad.from_estimate(load, view.ready)
-        pred = predict_latency(self.predictor, per, self.setup.limits, self.policy, view.ready)
         slo = self.setup.slo
-        if not pred.within(slo, 0.0):
+        at_current = self._predict(load, current)
+        if not at_current.within(slo, 0.0):
             wanted = current + 1
-        elif pred.within(slo, 1.0 - self.undershoot):
+        elif (
+            not view.starting_since
+            and at_current.within(slo, 1.0 - self.undershoot)
+            and current > 1
+            and self._predict(load, current - 1).within(slo, 0.0)
+        ):
             wanted = current - 1
         else:
             wanted = current
         return min(max(wanted, self.setup.min_replicas), self.setup.max_replicas)
+
+    def _predict(self, load: LoadEstimate, replicas: int) -> LatencyPrediction:
+        per = PerReplicaLoad.from_estimate(load, replicas)
+        return predict_latency(self.predictor, per, self.setup.limits, self.policy, replicas)
 
 
 def needed_replicas_series(
@@ -403,11 +431,16 @@ class PredictionCheck:
 
 @dataclass
 class PlannerDrivenPolicy:
-    """Ours: FPM -> DeploymentModel (cost model + load estimate) -> Planner."""
+    """Ours: FPM -> DeploymentModel (cost model + load estimate) -> Planner.
+
+    ``predictor``, when given, replaces the learned cost model (e.g. the
+    ground-truth profile, to judge the planner's capacity model on its own).
+    """
 
     setup: ScalingSetup
     planner: Planner = field(default_factory=Planner)
     model: DeploymentModel = field(default_factory=lambda: DeploymentModel("sim"))
+    predictor: StepTimePredictor | None = None
     interval_s: float = 5.0
     name: str = "ours"
     wants_fpm: bool = True
@@ -433,9 +466,11 @@ class PlannerDrivenPolicy:
         cost = self.model.cost_model
         quality = cost.quality
         mape = quality.mape if math.isfinite(quality.mape) else None
+        predictor: StepTimePredictor = cost if self.predictor is None else self.predictor
+        ready = cost.ready or self.predictor is not None
         inputs = PlannerInputs(
-            predictor=cost,
-            model_ready=cost.ready,
+            predictor=predictor,
+            model_ready=ready,
             model_mape=mape,
             load=load,
             load_time=view.now,
@@ -456,9 +491,11 @@ class PlannerDrivenPolicy:
                 "confidence": decision.confidence,
             }
         )
-        if cost.ready and load.complete and view.ready > 0:
+        if ready and load.complete and view.ready > 0:
             per = PerReplicaLoad.from_estimate(load, view.ready)
-            pred = predict_latency(cost, per, self.setup.limits, self.planner.policy, view.ready)
+            pred = predict_latency(
+                predictor, per, self.setup.limits, self.planner.policy, view.ready
+            )
             if pred.feasible:
                 self.checks.append(
                     PredictionCheck(
@@ -471,3 +508,45 @@ class PlannerDrivenPolicy:
                     )
                 )
         return decision.desired_replicas if decision.apply else decision.current_replicas
+
+
+def prediction_errors(
+    policy: PlannerDrivenPolicy, result: SimResult, window_s: float = 30.0, min_requests: int = 50
+) -> dict[str, float]:
+    """Median relative error of the planner's predictions against the simulation.
+
+    For each decision where the ready count did not change over the load
+    estimator's window, the prediction for the measured load at that count is
+    compared with the requests that arrived in the window (at least
+    ``min_requests`` of them). Keys ``median_error_{ttft,itl}_{mean,p99}`` and
+    ``windows`` (how many windows were compared).
+    """
+    lat = request_latencies(result)
+    arrival = result.traffic.arrival_s
+    errors: dict[str, list[float]] = {
+        k: [] for k in ("ttft_mean", "itl_mean", "ttft_p99", "itl_p99")
+    }
+    history: list[tuple[float, int]] = []
+    for check in policy.checks:
+        history.append((check.time, check.replicas))
+        recent = [n for t, n in history if t >= check.time - window_s]
+        if len(recent) < window_s / policy.interval_s or len(set(recent)) != 1:
+            continue
+        lo, hi = np.searchsorted(arrival, [check.time - window_s, check.time])
+        ttft = lat.ttft_ms[lo:hi]
+        itl = lat.itl_ms[lo:hi]
+        itl = itl[np.isfinite(itl) & (itl > 0)]
+        ttft = ttft[np.isfinite(ttft)]
+        if ttft.size < min_requests or itl.size < min_requests:
+            continue
+        pairs = {
+            "ttft_mean": (check.ttft_mean_ms, float(ttft.mean())),
+            "itl_mean": (check.itl_mean_ms, float(itl.mean())),
+            "ttft_p99": (check.ttft_ms, float(np.percentile(ttft, 99))),
+            "itl_p99": (check.itl_ms, float(np.percentile(itl, 99))),
+        }
+        for key, (pred, sim) in pairs.items():
+            errors[key].append(abs(pred - sim) / sim)
+    out = {f"median_error_{k}": float(np.median(v)) for k, v in errors.items() if v}
+    out["windows"] = float(len(errors["itl_mean"]))
+    return out

@@ -7,6 +7,7 @@ meeting the ITL target. A request that never finished counts as missing both.
 
 from __future__ import annotations
 
+import csv
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -121,6 +122,56 @@ def format_table(rows: Sequence[RunSummary], oracle_gpu_hours: dict[str, float])
             f"{r.gpu_hours:>7.2f} {rel:>8.2f} {r.scale_events:>6d} {r.wall_s:>6.1f}"
         )
     return "\n".join(lines)
+
+
+REQUEST_CSV_COLUMNS = (
+    "policy",
+    "request",
+    "arrival_s",
+    "prompt_tokens",
+    "output_tokens",
+    "replica",
+    "ttft_ms",
+    "itl_ms",
+    "preemptions",
+)
+
+
+def write_requests_csv(results: Sequence[SimResult], path: str) -> int:
+    """One row per request of every run (``REQUEST_CSV_COLUMNS``); returns the rows written.
+
+    An empty cell is a latency that never happened (the request did not finish)
+    or a request never routed to a replica. A one-token output has no ITL and is
+    written as 0, as the attainment counts it.
+    """
+    rows = 0
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(REQUEST_CSV_COLUMNS)
+        for res in results:
+            lat = request_latencies(res)
+            traffic = res.traffic
+            for i in range(len(traffic)):
+                replica = int(res.replica_of[i])
+                writer.writerow(
+                    (
+                        res.policy,
+                        i,
+                        f"{traffic.arrival_s[i]:.6f}",
+                        int(traffic.prompt_tokens[i]),
+                        int(traffic.output_tokens[i]),
+                        replica if replica >= 0 else "",
+                        _cell(lat.ttft_ms[i]),
+                        _cell(lat.itl_ms[i]),
+                        int(res.requests.preemptions[i]),
+                    )
+                )
+                rows += 1
+    return rows
+
+
+def _cell(value: float) -> str:
+    return f"{value:.3f}" if math.isfinite(value) else ""
 
 
 def windowed_latency(

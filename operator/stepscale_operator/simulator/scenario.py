@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from stepscale_engine.wire import ForwardPassMetrics
 from stepscale_operator.planner import Planner, PlannerPolicy
-from stepscale_operator.simulator.fleet import Fleet, FleetConfig, ScalingPolicy, SimResult
+from stepscale_operator.simulator.fleet import Fleet, FleetConfig, FpmTap, ScalingPolicy, SimResult
 from stepscale_operator.simulator.ground_truth import StepTimeProfile
 from stepscale_operator.simulator.policies import (
     DynamoPolicy,
@@ -46,6 +45,19 @@ class PolicyRun:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """How long and how finely the ground-truth capacity is measured.
+
+    The defaults suit the benchmark; short runs (tests, quick looks) can use
+    shorter stretches and fewer bisection steps at the price of a coarser capacity.
+    """
+
+    duration_s: float = 200.0
+    warmup_s: float = 40.0
+    iterations: int = 7
+
+
+@dataclass(frozen=True)
 class GroundTruthSizing:
     """The traffic's true needs: per-replica capacity measured by simulation, and the
     replicas each 10 s slot needs for its true arrival rate (shared by the oracle,
@@ -64,14 +76,26 @@ def ground_truth_sizing(
     planner_policy: PlannerPolicy,
     target: float = 0.99,
     seed: int = 0,
+    calibration: Calibration | None = None,
 ) -> GroundTruthSizing:
     """Calibrate the capacity at the fleet size the traffic typically needs."""
+    cal = calibration or Calibration()
     began = time.perf_counter()
     model_needs = needed_replicas_series(traffic, setup, profile, planner_policy)
     # Pooling makes big fleets a little more efficient per replica; calibrate at the
     # typical size (capped to keep the calibration cheap).
     size = int(min(max(round(float(np.median(model_needs))), 1), 10))
-    capacity = calibrate_capacity(traffic, setup, profile, size, target=target, seed=seed)
+    capacity = calibrate_capacity(
+        traffic,
+        setup,
+        profile,
+        size,
+        target=target,
+        duration_s=cal.duration_s,
+        warmup_s=cal.warmup_s,
+        iterations=cal.iterations,
+        seed=seed,
+    )
     oracle = OraclePolicy(traffic, setup, capacity)
     return GroundTruthSizing(capacity, size, oracle.needs, time.perf_counter() - began)
 
@@ -118,13 +142,23 @@ def run_policies(
     planner_policy: PlannerPolicy | None = None,
     seed: int = 0,
     progress: Callable[[str, float], None] | None = None,
-    fpm_tap: Callable[[Sequence[tuple[float, ForwardPassMetrics]]], None] | None = None,
+    fpm_tap: FpmTap | None = None,
     sizing: GroundTruthSizing | None = None,
+    calibration: Calibration | None = None,
 ) -> list[PolicyRun]:
-    """Simulate each named policy on ``traffic``; same seed, same start for all."""
+    """Simulate each named policy on ``traffic``; same seed, same start for all.
+
+    ``fpm_tap`` sees the pods of one run only, ``ours`` when it is among ``names``
+    (else the first): pods of different runs share names and addresses, and
+    an operator watching them should see one fleet. It is closed when that run
+    ends, so the published streams go stale rather than heartbeat on.
+    """
     planner_policy = planner_policy or PlannerPolicy()
     if sizing is None:
-        sizing = ground_truth_sizing(traffic, setup, profile, planner_policy, seed=seed)
+        sizing = ground_truth_sizing(
+            traffic, setup, profile, planner_policy, seed=seed, calibration=calibration
+        )
+    published = "ours" if "ours" in names else (names[0] if names else "")
     start = initial_replicas(traffic, setup, sizing)
     runs: list[PolicyRun] = []
     for name in names:
@@ -136,12 +170,17 @@ def run_policies(
             profile=profile,
             seed=seed,
         )
-        fleet = Fleet(traffic, policy, config, fpm_tap=fpm_tap)
+        tap = fpm_tap if name == published else None
+        fleet = Fleet(traffic, policy, config, fpm_tap=tap)
         began = time.perf_counter()
         tick: Callable[[float], None] | None = None
         if progress is not None:
             tick = functools.partial(progress, name)
-        result = fleet.run(progress=tick)
+        try:
+            result = fleet.run(progress=tick)
+        finally:
+            if tap is not None:
+                tap.close()
         wall = time.perf_counter() - began
         runs.append(PolicyRun(result, summarise(result, setup.slo, scenario, wall), policy))
     return runs

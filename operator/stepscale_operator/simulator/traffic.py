@@ -14,7 +14,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -115,7 +115,12 @@ def load_azure_csv(path: str | Path) -> Traffic:
             if "." in stamp:
                 head, frac = stamp.split(".", 1)
                 stamp = f"{head}.{frac[:6]}"
-            times.append(datetime.fromisoformat(stamp).timestamp())
+            parsed = datetime.fromisoformat(stamp)
+            if parsed.tzinfo is None:
+                # The trace's stamps are UTC; read as local time they would jump
+                # by an hour across a daylight-saving change.
+                parsed = parsed.replace(tzinfo=UTC)
+            times.append(parsed.timestamp())
             prompt.append(int(row["ContextTokens"]))
             output.append(int(row["GeneratedTokens"]))
     return _from_lists(times, prompt, output, Path(path).stem)
