@@ -36,6 +36,7 @@ from stepscale_operator.simulator.policies import (
 )
 from stepscale_operator.simulator.publish import SimulatedPodPublishers, pod_host
 from stepscale_operator.simulator.report import plot_timeline, request_latencies, summarise
+from stepscale_operator.simulator.scenario import build_policy
 from stepscale_operator.simulator.traffic import (
     Traffic,
     load_azure_csv,
@@ -447,3 +448,22 @@ def test_profile_overrides_are_checked() -> None:
         profile_with(H100_LLAMA_8B, {"flops_per_s": 0})
     with pytest.raises(ValueError, match="must be a number"):
         profile_with(H100_LLAMA_8B, {"overhead_s": "1ms"})
+
+
+def test_dynamo_style_headroom_aims_below_the_slo() -> None:
+    setup = ScalingSetup(SloTargets(1000.0, 40.0), EngineLimits(), startup_s=60.0)
+    traffic = synthetic("flat", duration_s=60.0, base_rps=30.0, seed=2)
+    load = frontend_estimate(traffic, 0, len(traffic), 60.0)
+    assert load is not None
+    plain = DynamoPolicy(setup, H100_LLAMA_8B)
+    # The smallest count within the SLO, and within 60% of it.
+    n_slo = next(n for n in range(1, 64) if plain._predict(load, n).within(setup.slo, 0.0))
+    n_60 = next(n for n in range(1, 64) if plain._predict(load, n).within(setup.slo, 0.4))
+    assert n_60 > n_slo
+    roomy = build_policy("dynamo@0.4", traffic, setup, H100_LLAMA_8B, PlannerPolicy())
+    assert isinstance(roomy, DynamoPolicy) and roomy.name == "dynamo@0.4"
+    view = FleetView(60.0, n_slo, (), 0.0, load, 0)
+    assert plain.desired(view) == n_slo  # the baseline holds at the SLO
+    assert roomy.desired(view) == n_slo + 1  # with headroom it steps up
+    with pytest.raises(ValueError):
+        DynamoPolicy(setup, H100_LLAMA_8B, headroom=1.0)

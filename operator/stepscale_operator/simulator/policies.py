@@ -157,8 +157,15 @@ class DynamoPolicy(_NoFpm):
         undershoot: float = 0.8,
         interval_s: float = 5.0,
         policy: PlannerPolicy | None = None,
+        headroom: float = 0.0,
     ) -> None:
-        self.name = "dynamo"
+        if not 0.0 <= headroom < 1.0:
+            raise ValueError(f"headroom {headroom} must be in [0, 1)")
+        # headroom > 0 aims below the SLO: +1 above (1 - headroom) of it, -1 under
+        # undershoot * (1 - headroom). The baseline is headroom 0; the
+        # benchmark sweeps it to compare GPU-hours at equal attainment.
+        self.name = "dynamo" if headroom == 0.0 else f"dynamo@{headroom:g}"
+        self.headroom = headroom
         self.interval_s = interval_s
         self.setup = setup
         self.predictor = predictor
@@ -180,14 +187,16 @@ class DynamoPolicy(_NoFpm):
         if load is None or view.ready == 0:
             return current
         slo = self.setup.slo
+        up_margin = self.headroom
+        down_margin = 1.0 - self.undershoot * (1.0 - self.headroom)
         at_current = self._predict(load, current)
-        if not at_current.within(slo, 0.0):
+        if not at_current.within(slo, up_margin):
             wanted = current + 1
         elif (
             not view.starting_since
-            and at_current.within(slo, 1.0 - self.undershoot)
+            and at_current.within(slo, down_margin)
             and current > 1
-            and self._predict(load, current - 1).within(slo, 0.0)
+            and self._predict(load, current - 1).within(slo, up_margin)
         ):
             wanted = current - 1
         else:

@@ -118,8 +118,10 @@ def build_policy(
         return StaticPolicy(int(sizing.needs.max()))
     if name == "hpa":
         return HpaPolicy(setup)
-    if name == "dynamo":
-        return DynamoPolicy(setup, profile, policy=planner_policy)
+    if name == "dynamo" or name.startswith("dynamo@"):
+        # "dynamo@0.4": the Dynamo-style baseline aiming 40% below the SLO.
+        headroom = float(name.partition("@")[2] or 0.0)
+        return DynamoPolicy(setup, profile, policy=planner_policy, headroom=headroom)
     if name == "oracle":
         assert sizing is not None
         return OraclePolicy(traffic, setup, sizing.capacity_rps)
