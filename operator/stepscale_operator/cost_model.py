@@ -1,21 +1,60 @@
 """Online cost model: how long a forward pass takes, from the composition of its batch.
 
-``step_time = b0 + b1*prefill_tokens + b2*prefill_attention + b3*prefill_requests
-+ b4*decode_requests + b5*decode_kv_tokens`` with every ``b >= 0``, fitted online
-from the FPM stream of a deployment, pooled over its pods and ranks.
+A forward pass is a *roofline*: a fixed host-side cost, a per-request cost, and
+then the larger of the time the GPU needs to do the arithmetic and the time it
+needs to move the bytes::
 
-Features (all per forward pass):
+    step_time = base + max(compute, memory)
+    base    = intercept + a1*prefill_requests + a2*decode_requests
+    compute = c1*tokens + c2*prefill_attention + c3*decode_kv_tokens
+    memory  = m0 + m1*kv_read_tokens + m2*prefill_tokens
 
-======================  =========  ==========  =========================================
-name                    unit       coef unit   meaning
-======================  =========  ==========  =========================================
-intercept               pass       s/pass      fixed cost of a step (launch, sampling)
-prefill_tokens          token      s/token     prompt tokens computed (the chunk), ``C``
-prefill_attention       token^2    s/token^2   causal attention work of those tokens
-prefill_requests        request    s/request   per-request cost of prefill requests
-decode_requests         request    s/request   per-request cost of decode (one token each)
-decode_kv_tokens        token      s/token     KV read by decode attention (sum of contexts)
-======================  =========  ==========  =========================================
+with every coefficient ``>= 0``, fitted online from the FPM stream of a
+deployment, pooled over its pods and ranks. Small batches are *memory-bound*:
+every pass streams all the weights (``m0``, the ~5.6 ms floor of an 8B model on
+an H100) plus the KV cache of every context token it attends over (``m1``) and
+writes the KV of the new prompt tokens (``m2``). Big batches (a 2,048-token
+prefill chunk, a few hundred decodes) are *compute-bound*: ``2*params`` FLOPs per
+token computed (``c1``, prompt and decode tokens alike) plus attention over the
+context (``c2`` for prompt tokens, ``c3`` for decode tokens). A linear model has
+to average the two regimes and was 10-15% off on prefill-bearing passes and up to
+57% off on steady mixed batches of simulated H100 passes; the roofline is 0.2% off
+on average and under 2% on every one of those batches. On a CPU engine the memory
+side never wins and the model is linear (``base + compute``).
+
+Raw features (all per forward pass; what the statistics are kept on):
+
+======================  =========  =========================================
+name                    unit       meaning
+======================  =========  =========================================
+intercept               pass       1
+prefill_tokens          token      prompt tokens computed (the chunk), ``C``
+prefill_attention       token^2    causal attention work of those tokens
+prefill_requests        request    requests computing prompt tokens
+decode_requests         request    requests decoding one token each
+decode_kv_tokens        token      context read by decode attention (sum of contexts)
+prefill_kv_tokens       token      cached context of the prefill requests, ``K``
+======================  =========  =========================================
+
+Coefficients (what is fitted and reported; ``tokens = prefill_tokens +
+decode_requests``, ``kv_read_tokens = decode_kv_tokens + prefill_kv_tokens``):
+
+==============================  =========  ==========  =============================
+name                            unit       coef unit   meaning
+==============================  =========  ==========  =============================
+intercept                       pass       s/pass      launch, scheduling, sampling
+prefill_requests                request    s/request   host cost per prefill request
+decode_requests                 request    s/request   host cost per decode request
+compute.tokens                  token      s/token     GEMMs: 2*params FLOPs a token
+compute.prefill_attention       token^2    s/token^2   attention FLOPs of prompt tokens
+compute.decode_kv_tokens        token      s/token     attention FLOPs of decode tokens
+memory.intercept                pass       s/pass      weights read once a pass
+memory.kv_read_tokens           token      s/token     KV cache read
+memory.kv_write_tokens          token      s/token     KV written for prompt tokens
+==============================  =========  ==========  =============================
+
+The base coefficients keep their linear-model names (they are added to every
+pass, as before); the two sides of the ``max`` are prefixed by their piece.
 
 Prefill attention from aggregates. Request ``i`` computes ``c_i`` new tokens on top
 of ``k_i`` already in its KV cache; token ``j`` of the chunk attends to ``k_i + j``
@@ -32,19 +71,47 @@ variance of the *full prompt* lengths), so we approximate
 
 ``prefill_attention = C*K/n + clamp(n*v + C^2/n, C^2/n, C^2) / 2``.
 
-Fitting. Weighted least squares on the normal equations, weights ``1/y^2`` (the
-observed time) so the fit minimises *relative* error (step-time noise is
-multiplicative), non-negative coefficients by an active-set NNLS on the d x d
-system. (Weights ``1/pred^2`` were tried first: they over-weight every pass the
-model under-predicts, stalls and not-yet-learned regimes alike, which biased real
-CPU fits 20-30% high.) Sufficient statistics are kept per *coverage bucket*
-(regime x log-size of prefill tokens, decode requests and decode context); every
-sample updates one bucket in O(d^2). All buckets forget with the global sample
-clock (half-life ``half_life_passes``) so the model follows a changed engine, but
-a bucket never decays below ``bucket_floor`` effective samples from time alone: a
-flood of decode-only passes cannot wash out what the prefill buckets know. Within
-a bucket newer passes also supersede older ones (``bucket_half_life``, in that
-bucket's own passes).
+Fitting. Weighted least squares, weights ``1/y^2`` (the observed time) so the fit
+minimises *relative* error (step-time noise is multiplicative), non-negative
+coefficients by an active-set NNLS on the normal equations. (Weights ``1/pred^2``
+were tried first: they over-weight every pass the model under-predicts, stalls
+and not-yet-learned regimes alike, which biased real CPU fits 20-30% high.)
+Sufficient statistics of the raw features (Gram matrix, ``X'y``, ``y'y``,
+counts) are kept per *coverage bucket* (regime x log-size of prefill tokens,
+decode requests and decode context); every sample updates one bucket in O(d^2).
+All buckets forget with the global sample clock (half-life ``half_life_passes``)
+so the model follows a changed engine, but a bucket never decays below
+``bucket_floor`` effective samples from time alone: a flood of decode-only
+passes cannot wash out what the prefill buckets know. Within a bucket newer
+passes also supersede older ones (``bucket_half_life``, in that bucket's own
+passes).
+
+The max, online. Given which side of the ``max`` each pass is on, the model is
+linear in its coefficients: every coefficient's regressor is a fixed linear
+combination of the raw features (a selection matrix ``P``: base and compute rows,
+or base and memory rows). So statistics are kept on the raw features and mapped
+exactly into coefficient space, ``G = sum_k P_k G_k P_k'`` and
+``h = sum_k P_k h_k`` over *cells* ``k``, each on one side: two pooled sums, one
+per side, then two 9x7 products. A cell is half a bucket: the passes learned while
+the roofline put them on its compute side, and those it put on its memory side
+(before it has a memory side: memory when it computes at most ``KNEE_TOKENS`` tokens).
+Buckets are coarse (4x in prefill tokens and decode batch, 8x in context), and a
+bucket of 64-255 decodes at 500-4,000 tokens of context straddles the knee; its two
+cells do not (on the H100 passes of the unit tests, sides per bucket left 1.1% mean
+error and up to 8% on steady batches; per cell 0.1% and 0.6%).
+
+At each solve a cell is *assigned* to the side that is larger at its mean
+composition (the first row of its Gram matrix over its weight: feature 0 is 1;
+both sides are linear, so that is the sign of one dot product). A solve
+alternates NNLS and reassignment (max-affine regression: as k-means alternates
+means and clusters) until no cell changes side, at most ``MAX_ASSIGN_ITERATIONS``
+times, starting from the previous solve's sides (a new cell: the side it was
+learned on). The alternation can settle in a poorer local optimum, so the plain
+``base + compute`` fit (every cell on the compute side: the linear model) is
+solved too and the fit with the smaller weighted residual sum of squares is
+kept; the roofline's own sides carry on to the next solve either way, and if it
+collapses onto one side it starts again from the learned sides. Both NNLS are
+warm-started on the previous solution's support (one 9x9 solve when it holds).
 
 Robustness. On a shared CPU a pass can be stalled 10-30x by the scheduler, in
 *runs* of up to a few hundred passes, so per-pass outlier tests on a short window
@@ -78,10 +145,18 @@ really became that much faster moves the centre and is learned).
 
 Cost per sample. Accumulating a sample is O(d^2). The robust centre and scale
 (an O(window) median) are recomputed every ``robust_every`` residuals, and the
-pooled solve (O(buckets*d^2 + d^3)) every ``resolve_every`` samples until the model
-holds ``min_samples``, then every ``samples/64`` up to ``resolve_every_ready``
-(about the number of buckets), and on demand when predictions or coefficients are
-asked for: amortised O(d^2) per sample in steady state.
+pooled solve (O(cells*d^2) per alternation, usually one or two, and a 9x9 NNLS) every
+``resolve_every`` samples until the model holds ``min_samples``, then every
+``samples/64`` up to ``resolve_every_ready`` (about the number of buckets), and on
+demand when predictions or coefficients are asked for: amortised O(d^2) per sample
+in steady state.
+
+Standard errors come from the pooled coefficient-space system of the kept fit
+(given its assignment); a coefficient whose regressor saw no data (the memory
+side of a CPU engine) has none (NaN). Snapshots (:meth:`CostModel.to_dict`,
+schema ``stepscale.cost_model/v2``) keep those pooled coefficient-space
+statistics, which restore as one prior bucket; a v1 (linear) snapshot is refused
+with a ValueError and the operator starts afresh.
 
 Quality is measured prequentially: every pass is predicted before it is learned.
 """
@@ -104,7 +179,8 @@ from stepscale_operator.stream_state import StreamKey
 
 FloatArray = npt.NDArray[np.float64]
 
-SCHEMA = "stepscale.cost_model/v1"
+SCHEMA = "stepscale.cost_model/v2"
+SCHEMA_V1 = "stepscale.cost_model/v1"  # the linear model's snapshots: refused
 
 # Column indices of a batch matrix in ScheduledRequestMetrics declaration order.
 SCHED_FIELDS: tuple[str, ...] = tuple(ScheduledRequestMetrics.__struct_fields__)
@@ -118,26 +194,136 @@ COL_DECODE_KV = SCHED_FIELDS.index("sum_decode_kv_tokens")
 
 @dataclass(frozen=True)
 class Feature:
-    """One regressor: its name, units, short name for formulas and internal scale."""
+    """One raw regressor: its name, unit and internal scale."""
 
     name: str
-    short: str
     unit: str
-    coef_unit: str
     scale: float  # features are divided by this internally to condition the system
 
 
 FEATURES: tuple[Feature, ...] = (
-    Feature("intercept", "1", "pass", "s/pass", 1.0),
-    Feature("prefill_tokens", "prefill_tok", "token", "s/token", 1e3),
-    Feature("prefill_attention", "prefill_attn", "token^2", "s/token^2", 1e6),
-    Feature("prefill_requests", "prefill_req", "request", "s/request", 1.0),
-    Feature("decode_requests", "decode_req", "request", "s/request", 1e2),
-    Feature("decode_kv_tokens", "decode_kv", "token", "s/token", 1e5),
+    Feature("intercept", "pass", 1.0),
+    Feature("prefill_tokens", "token", 1e3),
+    Feature("prefill_attention", "token^2", 1e6),
+    Feature("prefill_requests", "request", 1.0),
+    Feature("decode_requests", "request", 1e2),
+    Feature("decode_kv_tokens", "token", 1e5),
+    Feature("prefill_kv_tokens", "token", 1e5),
 )
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
 N_FEATURES = len(FEATURES)
 _SCALES = np.array([f.scale for f in FEATURES])
+
+
+@dataclass(frozen=True)
+class Coefficient:
+    """One fitted coefficient: its piece, the raw features its regressor sums, units."""
+
+    name: str
+    piece: str  # "base", "compute" or "memory"
+    features: tuple[str, ...]  # raw features summed into its regressor
+    short: str  # name of the regressor in the formula
+    unit: str  # regressor unit
+    coef_unit: str
+    scale: float  # regressor scale in the internal basis
+
+
+COEFFICIENTS: tuple[Coefficient, ...] = (
+    Coefficient("intercept", "base", ("intercept",), "1", "pass", "s/pass", 1.0),
+    Coefficient(
+        "prefill_requests",
+        "base",
+        ("prefill_requests",),
+        "prefill_req",
+        "request",
+        "s/request",
+        1.0,
+    ),
+    Coefficient(
+        "decode_requests", "base", ("decode_requests",), "decode_req", "request", "s/request", 1e2
+    ),
+    Coefficient(
+        "compute.tokens",
+        "compute",
+        ("prefill_tokens", "decode_requests"),
+        "tokens",
+        "token",
+        "s/token",
+        1e3,
+    ),
+    Coefficient(
+        "compute.prefill_attention",
+        "compute",
+        ("prefill_attention",),
+        "prefill_attn",
+        "token^2",
+        "s/token^2",
+        1e6,
+    ),
+    Coefficient(
+        "compute.decode_kv_tokens",
+        "compute",
+        ("decode_kv_tokens",),
+        "decode_kv",
+        "token",
+        "s/token",
+        1e5,
+    ),
+    Coefficient("memory.intercept", "memory", ("intercept",), "1", "pass", "s/pass", 1.0),
+    Coefficient(
+        "memory.kv_read_tokens",
+        "memory",
+        ("decode_kv_tokens", "prefill_kv_tokens"),
+        "kv_read",
+        "token",
+        "s/token",
+        1e5,
+    ),
+    Coefficient(
+        "memory.kv_write_tokens",
+        "memory",
+        ("prefill_tokens",),
+        "prefill_tok",
+        "token",
+        "s/token",
+        1e3,
+    ),
+)
+COEFFICIENT_NAMES: tuple[str, ...] = tuple(c.name for c in COEFFICIENTS)
+N_COEFFICIENTS = len(COEFFICIENTS)
+_COEF_SCALES = np.array([c.scale for c in COEFFICIENTS])
+_BASE = np.array([c.piece == "base" for c in COEFFICIENTS])
+_COMPUTE = np.array([c.piece == "compute" for c in COEFFICIENTS])
+_MEMORY = np.array([c.piece == "memory" for c in COEFFICIENTS])
+
+
+def _regressor_map(scaled: bool) -> FloatArray:
+    """(coefficients, raw features) matrix: regressor j = sum over its raw features."""
+    m = np.zeros((N_COEFFICIENTS, N_FEATURES))
+    for j, coef in enumerate(COEFFICIENTS):
+        for name in coef.features:
+            i = FEATURE_NAMES.index(name)
+            m[j, i] = _SCALES[i] / coef.scale if scaled else 1.0
+    return m
+
+
+# Raw (unscaled) and internal (scaled) maps from raw features to regressors; P_k of a
+# cell on the compute side keeps the base and compute rows, on the memory side the
+# base and memory rows.
+_REGRESSORS = _regressor_map(scaled=False)
+_P_ALL = _regressor_map(scaled=True)
+_P_COMPUTE = _P_ALL * (~_MEMORY)[:, None]
+_P_MEMORY = _P_ALL * (~_COMPUTE)[:, None]
+# Tokens computed (prefill + decode) from a scaled raw feature row.
+_TOKENS_SCALED = np.array(
+    [
+        s if n in ("prefill_tokens", "decode_requests") else 0.0
+        for n, s in zip(FEATURE_NAMES, _SCALES, strict=True)
+    ]
+)
+KNEE_TOKENS = 256.0  # side of a pass before the roofline has a memory side
+MAX_ASSIGN_ITERATIONS = 8
+COMPUTE_SIDE, MEMORY_SIDE, UNASSIGNED = 0, 1, -1
 
 REGIMES = ("prefill_only", "decode_only", "mixed", "empty")
 
@@ -145,6 +331,8 @@ REGIMES = ("prefill_only", "decode_only", "mixed", "empty")
 _P_BINS, _D_BINS, _K_BINS = 9, 7, 6
 N_BUCKETS = _P_BINS * _D_BINS * _K_BINS
 _PRIOR_BUCKET = N_BUCKETS  # holds a warm-started model's statistics
+# Cell 2k of bucket k holds passes learned on the compute side, 2k+1 on the memory side.
+_LEARNED_SIDE = np.tile(np.array([COMPUTE_SIDE, MEMORY_SIDE], dtype=np.int8), N_BUCKETS)
 
 
 def sched_matrix(scheds: Sequence[ScheduledRequestMetrics]) -> FloatArray:
@@ -157,7 +345,7 @@ def sched_matrix(scheds: Sequence[ScheduledRequestMetrics]) -> FloatArray:
 
 
 def feature_matrix(sched: FloatArray) -> FloatArray:
-    """Raw-unit features (n, d) from an (n, 7) composition matrix; see the module docstring."""
+    """Raw-unit features (n, 7) from an (n, 7) composition matrix; see the module docstring."""
     n_req = sched[:, COL_PREFILL_REQS]
     c = sched[:, COL_PREFILL_TOKENS]
     var = sched[:, COL_PREFILL_VAR]
@@ -173,7 +361,35 @@ def feature_matrix(sched: FloatArray) -> FloatArray:
     x[:, 3] = n_req
     x[:, 4] = sched[:, COL_DECODE_REQS]
     x[:, 5] = sched[:, COL_DECODE_KV]
+    x[:, 6] = np.where(c > 0, k, 0.0)
     return x
+
+
+def regressor_matrix(sched: FloatArray) -> FloatArray:
+    """Raw-unit regressors (n, 9) of every coefficient, in :data:`COEFFICIENTS` order."""
+    return feature_matrix(sched) @ _REGRESSORS.T
+
+
+def roofline(regressors: FloatArray, coef: FloatArray) -> FloatArray:
+    """``base + max(compute, memory)`` per row, for regressors and coefficients in one basis."""
+    base = regressors[:, _BASE] @ coef[_BASE]
+    compute = regressors[:, _COMPUTE] @ coef[_COMPUTE]
+    memory = regressors[:, _MEMORY] @ coef[_MEMORY]
+    out: FloatArray = base + np.maximum(compute, memory)
+    return out
+
+
+def roofline_time(sched: FloatArray, coefficients: dict[str, float]) -> FloatArray:
+    """Step time (s) of (n, 7) compositions under SI ``coefficients`` (missing ones: 0)."""
+    coef = np.array([float(coefficients.get(name, 0.0)) for name in COEFFICIENT_NAMES])
+    return roofline(regressor_matrix(sched), coef)
+
+
+def compute_side(regressors: FloatArray, coef: FloatArray) -> npt.NDArray[np.bool_]:
+    """Rows whose compute piece is at least their memory piece (ties go to compute)."""
+    compute = regressors[:, _COMPUTE] @ coef[_COMPUTE]
+    memory = regressors[:, _MEMORY] @ coef[_MEMORY]
+    return np.asarray(compute >= memory)
 
 
 def _log_bin(values: FloatArray, base_log2: float, n_bins: int) -> npt.NDArray[np.int64]:
@@ -201,14 +417,33 @@ def regime_ids(sched: FloatArray) -> npt.NDArray[np.int64]:
     return np.where(has_p, np.where(has_d, 2, 0), np.where(has_d, 1, 3))
 
 
-def nnls_normal(gram: FloatArray, rhs: FloatArray, max_iter: int = 100) -> FloatArray:
+def nnls_normal(
+    gram: FloatArray,
+    rhs: FloatArray,
+    max_iter: int = 100,
+    support: npt.NDArray[np.bool_] | None = None,
+) -> FloatArray:
     """Minimise ``x'Gx - 2x'h`` subject to ``x >= 0`` (Lawson-Hanson on normal equations).
 
     ``gram`` must be symmetric positive definite (callers add a small ridge).
+    ``support`` (e.g. the previous solution's positive coefficients) is a warm start:
+    the unconstrained solution on it, shrunk until positive, is the feasible start
+    the iterations go on from, so a solve whose support did not change costs one
+    linear solve instead of one per coefficient. The result is the same.
     """
     d = rhs.shape[0]
     x = np.zeros(d)
     passive = np.zeros(d, dtype=bool)
+    if support is not None:
+        trial = support.copy()
+        while trial.any():
+            idx = np.flatnonzero(trial)
+            z = np.linalg.solve(gram[np.ix_(idx, idx)], rhs[idx])
+            if (z > 0).all():
+                x[idx] = z
+                passive = trial
+                break
+            trial[idx[z <= 0]] = False
     tol = 1e-12 * max(float(np.abs(rhs).max(initial=0.0)), 1e-300)
     for _ in range(max_iter):
         grad = rhs - gram @ x
@@ -230,6 +465,54 @@ def nnls_normal(gram: FloatArray, rhs: FloatArray, max_iter: int = 100) -> Float
             passive &= x > 1e-15
             x[~passive] = 0.0
     return x
+
+
+class _Pool:
+    """Per-cell raw-feature statistics pooled into coefficient space, given cell sides.
+
+    Cell ``k`` on the compute side contributes ``P_c G_k P_c'`` (its base and compute
+    regressors), on the memory side ``P_m G_k P_m'``: one weighted sum of the cell
+    Gram matrices per side, then two small products.
+    """
+
+    def __init__(self, grams: FloatArray, xtys: FloatArray, yty: float) -> None:
+        n = grams.shape[0]
+        self._grams = grams.reshape(n, -1)
+        self._xtys = xtys
+        self.yty = yty
+        # Row 0 of a cell's Gram matrix is its weighted feature sum (feature 0 is 1):
+        # its mean composition times its weight.
+        self._first_rows = grams[:, 0, :]
+        self.weight = grams[:, 0, 0]
+        self._prior_gram = np.zeros((N_COEFFICIENTS, N_COEFFICIENTS))
+        self._prior_xty = np.zeros(N_COEFFICIENTS)
+
+    def add_prior(self, gram: FloatArray, xty: FloatArray) -> None:
+        """Statistics already in coefficient space (a restored snapshot)."""
+        self._prior_gram = gram
+        self._prior_xty = xty
+
+    def pooled(self, memory: npt.NDArray[np.bool_]) -> tuple[FloatArray, FloatArray]:
+        """Coefficient-space Gram matrix and right-hand side with ``memory`` cells on
+        the memory side and the others on the compute side."""
+        wm = memory.astype(np.float64)
+        wc = 1.0 - wm
+        d = N_FEATURES
+        gram_c = (wc @ self._grams).reshape(d, d)
+        gram_m = (wm @ self._grams).reshape(d, d)
+        gram = _P_COMPUTE @ gram_c @ _P_COMPUTE.T + _P_MEMORY @ gram_m @ _P_MEMORY.T
+        xty = _P_COMPUTE @ (wc @ self._xtys) + _P_MEMORY @ (wm @ self._xtys)
+        return gram + self._prior_gram, xty + self._prior_xty
+
+    def memory_side(self, coef: FloatArray) -> npt.NDArray[np.bool_]:
+        """Buckets whose memory piece exceeds their compute piece at their mean composition
+        (both pieces are linear, so that is the sign of a weighted sum)."""
+        direction = (coef * _COMPUTE) @ _P_ALL - (coef * _MEMORY) @ _P_ALL
+        return np.asarray(self._first_rows @ direction < 0)
+
+    def loss(self, coef: FloatArray, gram: FloatArray, xty: FloatArray) -> float:
+        """Weighted residual sum of squares of ``coef`` on the pooled system."""
+        return max(self.yty - 2.0 * float(coef @ xty) + float(coef @ gram @ coef), 0.0)
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -264,7 +547,8 @@ class ModelQuality:
         for key, value in list(d.items()):
             if isinstance(value, float):
                 d[key] = _finite_or_none(value)
-        d["std_errors"] = {k: _finite_or_none(v) for k, v in self.std_errors.items()}
+        # A coefficient without a standard error (its regressor saw no data) is left out.
+        d["std_errors"] = {k: v for k, v in self.std_errors.items() if math.isfinite(v)}
         d["implausible_rejected"] = dict(self.implausible_rejected)
         return d
 
@@ -361,10 +645,17 @@ class CostModel:
 
         nb = N_BUCKETS + 1
         d = N_FEATURES
-        self._gram = np.zeros((nb, d, d))
-        self._xty = np.zeros((nb, d))
+        # Raw-feature statistics per bucket, in two cells: the passes learned while the
+        # roofline put them on its compute side, and on its memory side. Forgetting,
+        # floors and counts are per bucket. The prior bucket's statistics are in
+        # coefficient space (a snapshot's pooled ones), in _prior_gram and _prior_xty.
+        self._gram = np.zeros((nb, 2, d, d))
+        self._xty = np.zeros((nb, 2, d))
         self._yty = np.zeros(nb)
         self._count = np.zeros(nb)  # decayed sample counts (for degrees of freedom)
+        p = N_COEFFICIENTS
+        self._prior_gram = np.zeros((p, p))
+        self._prior_xty = np.zeros(p)
         self._bucket_clock = np.zeros(nb)
         self._floor = np.full(nb, self.bucket_floor)
         self._floor[_PRIOR_BUCKET] = 0.0  # a warm start fades out completely
@@ -373,9 +664,18 @@ class CostModel:
         self._sample_clock = 0.0
         self._drifting = False
 
-        self._coef: FloatArray | None = None  # scaled basis
-        self._std_err: FloatArray = np.full(d, np.nan)  # scaled basis
+        self._coef: FloatArray | None = None  # scaled coefficient basis
+        self._std_err: FloatArray = np.full(p, np.nan)  # scaled coefficient basis
         self._since_solve = 0
+        # The roofline candidate's side of each cell (carried from solve to solve) and
+        # its last coefficients; the kept fit's pooled coefficient-space statistics.
+        self._side = np.full(2 * N_BUCKETS, UNASSIGNED, dtype=np.int8)
+        self._roof_coef: FloatArray | None = None
+        self._lin_coef: FloatArray | None = None  # the linear candidate's (warm start)
+        self.roofline_active = False  # the kept fit has both a compute and a memory side
+        self.assign_iterations = 0  # alternations the last solve took
+        self._pooled_gram = np.zeros((p, p))
+        self._pooled_xty = np.zeros(p)
 
         self._q_y = np.zeros(self.quality_window)
         self._q_p = np.zeros(self.quality_window)
@@ -563,7 +863,7 @@ class CostModel:
         x = feature_matrix(sched) / _SCALES
         ready = self.ready
         coef = self._coef
-        pred = x @ coef if coef is not None else np.full(y.shape[0], np.nan)
+        pred = roofline(x @ _P_ALL.T, coef) if coef is not None else np.full(y.shape[0], np.nan)
         have_pred = np.isfinite(pred) & (pred > 0)
         rel = np.where(have_pred, (y - pred) / np.where(have_pred, pred, 1.0), np.nan)
 
@@ -591,7 +891,7 @@ class CostModel:
         # not learned yet) and bias the fit high.
         w = weight / np.maximum(y, 1e-9) ** 2
 
-        self._accumulate(x, y, w, accepted, buckets)
+        self._accumulate(x, y, w, accepted, buckets, self._learning_side(x))
         self._raise_budgets(used, accepted, slot, slot_stats)
 
         # Bookkeeping: regimes, residual scale, prequential window, per-stream residuals.
@@ -671,37 +971,53 @@ class CostModel:
         w: FloatArray,
         accepted: npt.NDArray[np.bool_],
         buckets: npt.NDArray[np.int64],
+        memory_side: npt.NDArray[np.bool_],
     ) -> None:
-        """Add accepted rows to their buckets, each sample O(d^2)."""
+        """Add accepted rows to their buckets' cells (by ``memory_side``), each O(d^2)."""
         if not accepted.any():
             return
         x, y, w, buckets = x[accepted], y[accepted], w[accepted], buckets[accepted]
+        cells = 2 * buckets + memory_side[accepted]
         m = y.shape[0]
         step = self._clock_step()
         t_end = self._sample_clock + m * step
         # Sample j (0-based) arrives at clock t0+(j+1)*step; at t_end it has aged (m-1-j)*step.
         age_weight = self._decay ** (np.arange(m - 1, -1, -1, dtype=np.float64) * step)
         wa = w * age_weight
-        self._decay_buckets(np.unique(buckets), t_end)
-        order = np.argsort(buckets, kind="stable")
-        b_sorted = buckets[order]
-        starts = np.flatnonzero(np.r_[True, b_sorted[1:] != b_sorted[:-1]])
-        present = b_sorted[starts]
+        present, n_new = np.unique(buckets, return_counts=True)
+        self._decay_buckets(present, t_end)
         # Within a bucket, newer passes supersede older ones (half-life in the bucket's
         # own passes, no floor): the floor only protects a bucket from *time*, so a
         # rarely visited regime still replaces stale knowledge (engine warm-up, an
         # earlier machine state) as soon as it is visited again.
-        n_new = np.diff(np.r_[starts, b_sorted.shape[0]]).astype(np.float64)
-        self._scale_buckets(present, self._own_decay**n_new)
-        # Per-sample outer products summed per bucket in one vectorised pass.
+        self._scale_buckets(present, self._own_decay ** n_new.astype(np.float64))
+        # Per-sample outer products summed per cell in one vectorised pass.
+        order = np.argsort(cells, kind="stable")
+        c_sorted = cells[order]
+        starts = np.flatnonzero(np.r_[True, c_sorted[1:] != c_sorted[:-1]])
+        present_cells = c_sorted[starts]
         xs, ys, ws = x[order], y[order], wa[order]
         xw = xs * ws[:, None]
         outer = xw[:, :, None] * xs[:, None, :]
-        self._gram[present] += np.add.reduceat(outer, starts, axis=0)
-        self._xty[present] += np.add.reduceat(xw * ys[:, None], starts, axis=0)
-        self._yty[present] += np.add.reduceat(ws * ys * ys, starts)
-        self._count[present] += np.add.reduceat(age_weight[order], starts)
+        d = N_FEATURES
+        self._gram.reshape(-1, d, d)[present_cells] += np.add.reduceat(outer, starts, axis=0)
+        self._xty.reshape(-1, d)[present_cells] += np.add.reduceat(xw * ys[:, None], starts, axis=0)
+        np.add.at(self._yty, present_cells // 2, np.add.reduceat(ws * ys * ys, starts))
+        np.add.at(self._count, present_cells // 2, np.add.reduceat(age_weight[order], starts))
         self._sample_clock = t_end
+
+    def _learning_side(self, x: FloatArray) -> npt.NDArray[np.bool_]:
+        """Rows (scaled raw features) the roofline puts on its memory side now.
+
+        It decides only which cell of its bucket a pass is learned into (the cell's
+        side is re-decided at every solve), so a bucket that straddles the knee is
+        split there. Before the roofline candidate has both sides: the memory side
+        when the pass computes at most ``KNEE_TOKENS`` tokens.
+        """
+        coef = self._roof_coef
+        if coef is not None and coef[_COMPUTE].any() and coef[_MEMORY].any():
+            return ~compute_side(x @ _P_ALL.T, coef)
+        return np.asarray(x @ _TOKENS_SCALED <= KNEE_TOKENS)
 
     def _clock_step(self) -> float:
         """How far one sample advances the forgetting clock: faster while the engine drifts.
@@ -726,10 +1042,14 @@ class CostModel:
 
     def _scale_buckets(self, buckets: npt.NDArray[np.int64], factor: FloatArray) -> None:
         """Multiply the statistics of ``buckets`` by ``factor`` (forgetting)."""
-        self._gram[buckets] *= factor[:, None, None]
-        self._xty[buckets] *= factor[:, None]
+        self._gram[buckets] *= factor[:, None, None, None]
+        self._xty[buckets] *= factor[:, None, None]
         self._yty[buckets] *= factor
         self._count[buckets] *= factor
+        prior = buckets == _PRIOR_BUCKET
+        if prior.any():
+            self._prior_gram *= float(factor[prior][0])
+            self._prior_xty *= float(factor[prior][0])
 
     def _decay_buckets(self, buckets: npt.NDArray[np.int64], t_now: float) -> None:
         """Bring buckets' statistics to clock ``t_now`` (lazy forgetting with a floor)."""
@@ -745,29 +1065,102 @@ class CostModel:
         self._bucket_clock[buckets] = t_now
 
     def _solve(self) -> None:
-        """Solve the pooled normal equations with non-negativity (O(buckets*d^2 + d^3))."""
+        """Fit ``base + max(compute, memory)`` with non-negativity; see the module docstring.
+
+        Two candidates on the pooled statistics: the roofline (alternating NNLS and
+        cell sides, from the previous solve's sides) and the linear ``base +
+        compute`` fit; the one with the smaller weighted residual sum of squares is
+        kept. O(cells*d^2) per alternation plus a 9x9 NNLS.
+        """
         self._since_solve = 0
-        all_buckets = np.arange(N_BUCKETS + 1)
-        self._decay_buckets(all_buckets, self._sample_clock)
+        self._decay_buckets(np.arange(N_BUCKETS + 1), self._sample_clock)
         n_eff = float(self._count.sum())
         if n_eff <= 0:
             return
-        gram = self._gram.sum(axis=0)
-        xty = self._xty.sum(axis=0)
-        yty = float(self._yty.sum())
-        # A tiny ridge keeps unseen features at zero and the system solvable.
-        scale = max(float(np.trace(gram)) / N_FEATURES, 1e-12)
-        ridged = gram + np.eye(N_FEATURES) * (self.ridge * scale)
-        coef = nnls_normal(ridged, xty)
+        d = N_FEATURES
+        pool = _Pool(
+            self._gram[:N_BUCKETS].reshape(-1, d, d),
+            self._xty[:N_BUCKETS].reshape(-1, d),
+            float(self._yty.sum()),
+        )
+        pool.add_prior(self._prior_gram, self._prior_xty)
+        has_data = pool.weight > 0
+
+        # Roofline candidate: alternate until no cell with data changes side. A new
+        # cell starts on the side its passes were learned on.
+        side = self._side.copy()
+        new = side == UNASSIGNED
+        side[new] = _LEARNED_SIDE[new]
+        memory = side == MEMORY_SIDE
+        roof_gram, roof_xty = pool.pooled(memory)
+        roof_coef = self._nnls(roof_gram, roof_xty, self._roof_coef)
+        iterations = 1
+        for _ in range(MAX_ASSIGN_ITERATIONS - 1):
+            memory_now = pool.memory_side(roof_coef)
+            if not (memory_now != memory)[has_data].any():
+                break
+            memory = memory_now
+            roof_gram, roof_xty = pool.pooled(memory)
+            roof_coef = self._nnls(roof_gram, roof_xty, roof_coef)
+            iterations += 1
+        # The predictor puts each pass on its larger side: score the cells that way.
+        memory_final = pool.memory_side(roof_coef)
+        if (memory_final != memory)[has_data].any():
+            memory = memory_final
+            roof_gram, roof_xty = pool.pooled(memory)
+        roof_loss = pool.loss(roof_coef, roof_gram, roof_xty)
+        self.assign_iterations = iterations
+        self._roof_coef = roof_coef
+        both_sides = bool(roof_coef[_COMPUTE].any() and roof_coef[_MEMORY].any())
+        if both_sides:
+            self._side = np.where(
+                has_data, np.where(memory, MEMORY_SIDE, COMPUTE_SIDE), UNASSIGNED
+            ).astype(np.int8)
+        else:
+            # Collapsed onto one side: start over from the learned sides next time, so
+            # a knee that appears later (more data, a new regime) is still found.
+            self._side[:] = UNASSIGNED
+
+        # Linear candidate: every cell on the compute side.
+        lin_gram, lin_xty = pool.pooled(np.zeros(2 * N_BUCKETS, dtype=bool))
+        lin_coef = self._nnls(lin_gram, lin_xty, self._lin_coef)
+        lin_loss = pool.loss(lin_coef, lin_gram, lin_xty)
+        self._lin_coef = lin_coef
+
+        if both_sides and roof_loss < lin_loss:
+            coef, gram, xty, loss = roof_coef, roof_gram, roof_xty, roof_loss
+        else:
+            coef, gram, xty, loss = lin_coef, lin_gram, lin_xty, lin_loss
+        self.roofline_active = bool(coef[_COMPUTE].any() and coef[_MEMORY].any())
         self._coef = coef
+        self._pooled_gram, self._pooled_xty = gram, xty
+        self._std_err = self._standard_errors(coef, gram, loss, n_eff)
+
+    def _nnls(self, gram: FloatArray, xty: FloatArray, start: FloatArray | None) -> FloatArray:
+        """NNLS with a tiny ridge (keeps unseen coefficients at zero and the system
+        solvable), warm-started on the support of ``start``."""
+        scale = max(float(np.trace(gram)) / N_COEFFICIENTS, 1e-12)
+        ridged = gram + np.eye(N_COEFFICIENTS) * (self.ridge * scale)
+        return nnls_normal(ridged, xty, support=None if start is None else start > 0)
+
+    def _standard_errors(
+        self, coef: FloatArray, gram: FloatArray, rss: float, n_eff: float
+    ) -> FloatArray:
+        """From the pooled system of the kept fit; NaN for a regressor that saw no data."""
         dof = max(n_eff - float(np.count_nonzero(coef)), 1.0)
-        rss = max(yty - 2.0 * float(coef @ xty) + float(coef @ gram @ coef), 0.0)
-        sigma2 = rss / dof
+        sigma2 = max(rss, 0.0) / dof
+        seen = np.diag(gram) > 0
+        se = np.full(N_COEFFICIENTS, np.nan)
+        if not seen.any():
+            return se
+        sub = gram[np.ix_(seen, seen)]
+        scale = max(float(np.trace(sub)) / N_COEFFICIENTS, 1e-12)
         try:
-            cov = sigma2 * np.linalg.pinv(ridged)
-            self._std_err = np.sqrt(np.maximum(np.diag(cov), 0.0))
+            cov = sigma2 * np.linalg.pinv(sub + np.eye(sub.shape[0]) * (self.ridge * scale))
+            se[seen] = np.sqrt(np.maximum(np.diag(cov), 0.0))
         except np.linalg.LinAlgError:
-            self._std_err = np.full(N_FEATURES, np.nan)
+            pass
+        return se
 
     def _robust_weights(
         self,
@@ -944,23 +1337,28 @@ class CostModel:
         coef = self._current_coef()
         if coef is None:
             return np.full(sched.shape[0], np.nan)
-        return (feature_matrix(sched) / _SCALES) @ coef
+        return roofline((feature_matrix(sched) / _SCALES) @ _P_ALL.T, coef)
 
     @property
     def coefficients(self) -> dict[str, float]:
-        """Coefficients in SI units (seconds per feature unit); NaN before any fit."""
+        """Coefficients in SI units (seconds per regressor unit); NaN before any fit.
+
+        Keys are :data:`COEFFICIENT_NAMES`: the base ``intercept``, ``prefill_requests``
+        and ``decode_requests``, then ``compute.*`` and ``memory.*``.
+        """
         coef = self._current_coef()
         if coef is None:
-            return dict.fromkeys(FEATURE_NAMES, math.nan)
-        real = coef / _SCALES
-        return {name: float(v) for name, v in zip(FEATURE_NAMES, real, strict=True)}
+            return dict.fromkeys(COEFFICIENT_NAMES, math.nan)
+        real = coef / _COEF_SCALES
+        return {name: float(v) for name, v in zip(COEFFICIENT_NAMES, real, strict=True)}
 
     @property
     def std_errors(self) -> dict[str, float]:
-        """Standard errors of the coefficients in SI units (weighted least squares)."""
+        """Standard errors of the coefficients in SI units (weighted least squares, given
+        the kept fit's bucket sides); NaN for a coefficient whose regressor saw no data."""
         self._current_coef()
-        real = self._std_err / _SCALES
-        return {name: float(v) for name, v in zip(FEATURE_NAMES, real, strict=True)}
+        real = self._std_err / _COEF_SCALES
+        return {name: float(v) for name, v in zip(COEFFICIENT_NAMES, real, strict=True)}
 
     # -- quality and reporting -------------------------------------------------
 
@@ -1001,18 +1399,30 @@ class CostModel:
         )
 
     def formula(self) -> str:
-        """Human-readable fit, e.g. ``step_ms = 3.9 + 0.021*prefill_tok + ...``."""
+        """Human-readable fit in milliseconds, zero terms left out, e.g.
+        ``step_ms = 1 + 0.01*decode_req + max(0.0325*tokens + ..., 5.64 + 4.6e-05*kv_read)``
+        (``tokens = prefill_tok + decode_req``, ``kv_read = decode_kv + prefill_kv``);
+        without a memory side it is linear: ``step_ms = 4.3 + 0.35*prefill_req + ...``."""
         coef = self.coefficients
-        parts: list[str] = []
-        for feat in FEATURES:
-            ms = coef[feat.name] * 1e3
-            if not math.isfinite(ms):
-                return "step_ms = (no fit yet)"
-            if feat.name == "intercept":
-                parts.append(f"{ms:.4g}")
-            elif ms > 0:
-                parts.append(f"{ms:.4g}*{feat.short}")
-        return "step_ms = " + " + ".join(parts)
+        if not all(math.isfinite(v) for v in coef.values()):
+            return "step_ms = (no fit yet)"
+
+        def terms(piece: str, constant: bool = True) -> list[str]:
+            out = []
+            for c in COEFFICIENTS:
+                ms = coef[c.name] * 1e3
+                if c.piece != piece or ms <= 0 or (c.short == "1" and not constant):
+                    continue
+                out.append(f"{ms:.4g}" if c.short == "1" else f"{ms:.4g}*{c.short}")
+            return out
+
+        # The base intercept always shows (0 included), as the linear model's did.
+        base = [f"{coef['intercept'] * 1e3:.4g}", *terms("base", constant=False)]
+        compute, memory = terms("compute"), terms("memory")
+        if compute and memory:
+            sides = f"max({' + '.join(compute)}, {' + '.join(memory)})"
+            return "step_ms = " + " + ".join([*base, sides])
+        return "step_ms = " + " + ".join(base + compute + memory)
 
     def stream_residuals(self) -> dict[StreamKey, dict[str, float | int]]:
         """Per-stream residual summary: bias and MAPE (recent, exponentially weighted)."""
@@ -1032,20 +1442,19 @@ class CostModel:
 
     def to_dict(self) -> dict[str, Any]:
         """Small JSON-able snapshot: coefficients with units, quality, formula, fit state."""
-        coef = self.coefficients
+        coef = self.coefficients  # solves first if samples arrived since the last solve
         se = self.std_errors
-        self._decay_buckets(np.arange(N_BUCKETS + 1), self._sample_clock)
         return {
             "schema": SCHEMA,
             "coefficients": [
                 {
-                    "name": f.name,
-                    "unit": f.coef_unit,
-                    "feature_unit": f.unit,
-                    "value": _finite_or_none(coef[f.name]),
-                    "std_error": _finite_or_none(se[f.name]),
+                    "name": c.name,
+                    "unit": c.coef_unit,
+                    "feature_unit": c.unit,
+                    "value": _finite_or_none(coef[c.name]),
+                    "std_error": _finite_or_none(se[c.name]),
                 }
-                for f in FEATURES
+                for c in COEFFICIENTS
             ],
             "formula": self.formula(),
             "ready": self.ready,
@@ -1064,13 +1473,14 @@ class CostModel:
                     else {}
                 ),
             },
-            # Pooled sufficient statistics in the internal (scaled) basis: 6x6 + 6 + 2
+            # The kept fit's pooled sufficient statistics in coefficient space (internal,
+            # scaled basis; every bucket on the side it was fitted on): 9x9 + 9 + 2
             # numbers, and the outlier gate's centre and scale (so a restored model
             # keeps rejecting stalls from its first pass).
             "state": {
-                "scales": [f.scale for f in FEATURES],
-                "gram": self._gram.sum(axis=0).tolist(),
-                "xty": self._xty.sum(axis=0).tolist(),
+                "scales": [c.scale for c in COEFFICIENTS],
+                "gram": self._pooled_gram.tolist(),
+                "xty": self._pooled_xty.tolist(),
                 "yty": float(self._yty.sum()),
                 "n_eff": float(self._count.sum()),
                 "residual_center": self._residual_center,
@@ -1085,7 +1495,8 @@ class CostModel:
     ) -> CostModel:
         """Restore a model saved by :meth:`to_dict` (warm start).
 
-        The saved statistics become one extra bucket worth at most
+        The saved statistics (in coefficient space, each bucket on the side it was
+        fitted on) become one extra bucket worth at most
         ``warm_start_weight`` passes, which fades out with the half-life: the
         restored coefficients hold until new passes arrive, then new passes
         (perhaps from a changed engine) take over within a few thousand. The
@@ -1093,27 +1504,30 @@ class CostModel:
         gate's window refills before its own median replaces them.
 
         Raises ValueError, naming the field, for a snapshot that is not one or is
-        malformed (wrong shapes, non-finite or negative numbers).
+        malformed (wrong shapes, non-finite or negative numbers), and for a snapshot
+        of the linear model (schema v1: its statistics cannot be mapped onto the
+        roofline's pieces; the caller starts afresh).
         """
         snap = _Snapshot(d)
         snap.check_features()
         config = {**snap.config(), **overrides}
         model = cls(**config)
         state = snap.mapping("state")
-        scales = snap.vector(state, "state.scales", N_FEATURES)
+        p = N_COEFFICIENTS
+        scales = snap.vector(state, "state.scales", p)
         if (scales <= 0).any():
             raise ValueError("cost model snapshot: state.scales must be positive")
         # Re-express in the current scaling should it ever change.
-        ratio = scales / _SCALES
-        gram = snap.matrix(state, "state.gram", (N_FEATURES, N_FEATURES)) * np.outer(ratio, ratio)
+        ratio = scales / _COEF_SCALES
+        gram = snap.matrix(state, "state.gram", (p, p)) * np.outer(ratio, ratio)
         if (np.diag(gram) < 0).any():
             raise ValueError("cost model snapshot: state.gram has a negative diagonal")
-        xty = snap.vector(state, "state.xty", N_FEATURES) * ratio
+        xty = snap.vector(state, "state.xty", p) * ratio
         yty = snap.number(state, "state.yty", minimum=0.0)
         n_eff = snap.number(state, "state.n_eff", minimum=0.0)
         shrink = min(1.0, warm_start_weight / n_eff) if n_eff > 0 else 0.0
-        model._gram[_PRIOR_BUCKET] = gram * shrink
-        model._xty[_PRIOR_BUCKET] = xty * shrink
+        model._prior_gram = gram * shrink
+        model._prior_xty = xty * shrink
         model._yty[_PRIOR_BUCKET] = yty * shrink
         model._count[_PRIOR_BUCKET] = n_eff * shrink
         model._restore_gate(snap, state)
@@ -1163,6 +1577,11 @@ class _Snapshot:
     def __init__(self, raw: object) -> None:
         if not isinstance(raw, dict):
             raise ValueError("cost model snapshot must be a mapping")
+        if raw.get("schema") == SCHEMA_V1:
+            raise ValueError(
+                f"cost model snapshot {SCHEMA_V1} is of the linear model, which this version "
+                f"({SCHEMA}, roofline) cannot restore: start afresh"
+            )
         if raw.get("schema") != SCHEMA:
             raise ValueError(f"not a cost model snapshot: schema {raw.get('schema')!r}")
         self.raw: dict[str, Any] = raw
@@ -1172,8 +1591,10 @@ class _Snapshot:
         if not isinstance(coefficients, list) or not all(isinstance(c, dict) for c in coefficients):
             raise ValueError("cost model snapshot: coefficients must be a list of mappings")
         names = [c.get("name") for c in coefficients]
-        if names != list(FEATURE_NAMES):
-            raise ValueError(f"feature set {names} does not match {list(FEATURE_NAMES)}")
+        if names != list(COEFFICIENT_NAMES):
+            raise ValueError(
+                f"cost model snapshot: coefficients {names} do not match {list(COEFFICIENT_NAMES)}"
+            )
 
     def config(self) -> dict[str, Any]:
         """The known constructor settings (unknown keys from newer versions are ignored)."""

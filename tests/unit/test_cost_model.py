@@ -1,7 +1,9 @@
 """CostModel against synthetic ground truth whose coefficients are known.
 
 Ground truth is the model's own functional form (so recovery is testable) with
-multiplicative log-normal noise. Tolerances are stated per test.
+multiplicative log-normal noise: mostly a linear truth (a roofline whose memory side
+is zero, as on a CPU engine), and the simulator's H100 roofline. Tolerances are
+stated per test.
 """
 
 from __future__ import annotations
@@ -19,22 +21,42 @@ from scipy.optimize import nnls
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.cost_model import (
-    FEATURE_NAMES,
+    COEFFICIENT_NAMES,
+    SCHEMA_V1,
     CostModel,
     feature_matrix,
     nnls_normal,
+    regressor_matrix,
+    roofline,
     sched_matrix,
 )
+from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B
 
+# A linear truth: 4 ms + 20 us per prompt token + 0.5 ms per prefill request + 100 us
+# per decode request (80 us of host cost + the 20 us every computed token costs) + ...
+# It is a roofline whose memory side is zero: the model must find no knee in it.
 TRUE = {
     "intercept": 4e-3,
-    "prefill_tokens": 2e-5,
-    "prefill_attention": 3e-9,
     "prefill_requests": 5e-4,
-    "decode_requests": 1e-4,
-    "decode_kv_tokens": 2e-7,
+    "decode_requests": 8e-5,
+    "compute.tokens": 2e-5,
+    "compute.prefill_attention": 3e-9,
+    "compute.decode_kv_tokens": 2e-7,
+    "memory.intercept": 0.0,
+    "memory.kv_read_tokens": 0.0,
+    "memory.kv_write_tokens": 0.0,
 }
-TRUE_VEC = np.array([TRUE[name] for name in FEATURE_NAMES])
+TRUE_VEC = np.array([TRUE[name] for name in COEFFICIENT_NAMES])
+MEMORY_NAMES = [name for name in COEFFICIENT_NAMES if name.startswith("memory.")]
+
+
+def scaled(factors: dict[str, float]) -> np.ndarray:
+    """TRUE_VEC with some coefficients multiplied (the others kept)."""
+    return np.array([TRUE[n] * factors.get(n, 1.0) for n in COEFFICIENT_NAMES])
+
+
+def truth_times(sched: np.ndarray, coef: np.ndarray = TRUE_VEC) -> np.ndarray:
+    return roofline(regressor_matrix(sched), coef)
 
 
 def compositions(
@@ -60,7 +82,7 @@ def compositions(
 def step_times(
     rng: np.random.Generator, sched: np.ndarray, noise: float, coef: np.ndarray = TRUE_VEC
 ) -> np.ndarray:
-    return (feature_matrix(sched) @ coef) * np.exp(rng.normal(0.0, noise, sched.shape[0]))
+    return truth_times(sched, coef) * np.exp(rng.normal(0.0, noise, sched.shape[0]))
 
 
 def trained(
@@ -73,7 +95,7 @@ def trained(
 
 
 def rel_err(model: CostModel, sched: np.ndarray, coef: np.ndarray = TRUE_VEC) -> np.ndarray:
-    truth = feature_matrix(sched) @ coef
+    truth = truth_times(sched, coef)
     return np.abs(model.predict_many(sched) - truth) / truth
 
 
@@ -82,9 +104,14 @@ def test_recovers_true_coefficients_within_10_percent() -> None:
     coef = model.coefficients
     se = model.std_errors
     for name, true in TRUE.items():
+        if name in MEMORY_NAMES:
+            continue
         assert coef[name] == pytest.approx(true, rel=0.10), name
         # The reported standard errors are honest: truth within 4 of them.
         assert abs(coef[name] - true) <= 4 * se[name] + 1e-15, name
+    # No knee in a linear truth: the memory side stays empty (no data, no error).
+    assert not model.roofline_active
+    assert all(coef[name] == 0.0 and math.isnan(se[name]) for name in MEMORY_NAMES)
     assert model.ready
 
 
@@ -98,14 +125,17 @@ def test_prequential_quality_matches_noise_level() -> None:
     assert q.median_ape < q.mape < q.p90_ape
     assert q.r2 > 0.8
     assert q.prefill_only_samples + q.decode_only_samples + q.mixed_samples == q.samples
-    assert all(v > 0 and math.isfinite(v) for v in q.std_errors.values())
+    # Every coefficient whose regressor saw data has a standard error; the memory side
+    # has none here (the linear fit was kept): NaN, left out of the JSON form.
+    assert all(v > 0 and math.isfinite(v) for k, v in q.std_errors.items() if k not in MEMORY_NAMES)
+    assert all(math.isnan(q.std_errors[k]) for k in MEMORY_NAMES)
+    assert set(q.to_dict()["std_errors"]) == set(COEFFICIENT_NAMES) - set(MEMORY_NAMES)
 
 
 def test_coefficients_never_negative() -> None:
     rng = np.random.default_rng(3)
-    truth = TRUE_VEC.copy()
-    truth[4] = 0.0  # decode requests cost nothing: unconstrained OLS goes negative half the time
-    truth[3] = 0.0
+    # No per-request host cost: unconstrained OLS goes negative half the time.
+    truth = scaled({"decode_requests": 0.0, "prefill_requests": 0.0})
     model = CostModel(warmup_passes=0)
     sched = compositions(rng, 5000)
     model.update_batch(sched, step_times(rng, sched, 0.15, truth), [("w", 0)] * 5000)
@@ -141,7 +171,16 @@ def test_outliers_do_not_drag_the_fit() -> None:
 def test_follows_a_changed_engine() -> None:
     rng = np.random.default_rng(6)
     model = trained(rng, n=10000, half_life_passes=1000)
-    faster_gpu = TRUE_VEC * np.array([0.5, 0.4, 0.6, 0.5, 0.5, 0.3])
+    faster_gpu = scaled(
+        {
+            "intercept": 0.5,
+            "prefill_requests": 0.5,
+            "decode_requests": 0.5,
+            "compute.tokens": 0.4,
+            "compute.prefill_attention": 0.6,
+            "compute.decode_kv_tokens": 0.3,
+        }
+    )
     sched = compositions(rng, 10000)
     model.update_batch(sched, step_times(rng, sched, 0.05, faster_gpu), [("w", 0)] * 10000)
     assert rel_err(model, compositions(rng, 500), faster_gpu).mean() < 0.05
@@ -176,8 +215,10 @@ def test_serialization_round_trip_is_small_json() -> None:
     model = trained(rng, n=5000)
     snapshot = json.loads(json.dumps(model.to_dict()))
     assert len(json.dumps(snapshot)) < 8000
-    assert [c["name"] for c in snapshot["coefficients"]] == list(FEATURE_NAMES)
-    assert snapshot["coefficients"][1]["unit"] == "s/token"
+    assert [c["name"] for c in snapshot["coefficients"]] == list(COEFFICIENT_NAMES)
+    units = {c["name"]: (c["unit"], c["feature_unit"]) for c in snapshot["coefficients"]}
+    assert units["compute.tokens"] == ("s/token", "token")
+    assert units["memory.intercept"] == ("s/pass", "pass")
     assert snapshot["formula"].startswith("step_ms = ")
     restored = CostModel.from_dict(snapshot)
     probe = compositions(rng, 50)
@@ -193,6 +234,12 @@ def test_serialization_round_trip_is_small_json() -> None:
 def test_from_dict_rejects_foreign_snapshots() -> None:
     with pytest.raises(ValueError):
         CostModel.from_dict({"schema": "something/else"})
+    # A snapshot of the linear model (v1) cannot be mapped onto the roofline: refused,
+    # with a reason, and the operator starts afresh.
+    old = CostModel().to_dict()
+    old["schema"] = SCHEMA_V1
+    with pytest.raises(ValueError, match="linear model"):
+        CostModel.from_dict(old)
     snapshot = CostModel().to_dict()
     snapshot["coefficients"] = snapshot["coefficients"][:-1]
     with pytest.raises(ValueError):
@@ -210,13 +257,14 @@ def _set(snapshot: dict[str, Any], path: str, value: object) -> None:
 @pytest.mark.parametrize(
     ("path", "value", "names"),
     [
-        ("state.gram", [[math.nan] * 6] * 6, "state.gram"),
-        ("state.gram", [[1.0] * 6] * 5, "state.gram"),
+        ("state.gram", [[math.nan] * 9] * 9, "state.gram"),
+        ("state.gram", [[1.0] * 9] * 8, "state.gram"),
+        ("state.gram", [[1.0] * 6] * 6, "state.gram"),  # the linear model's shape
         ("state.gram", "not a matrix", "state.gram"),
-        ("state.xty", [0.0] * 5, "state.xty"),
-        ("state.xty", [0.0] * 5 + [math.inf], "state.xty"),
-        ("state.scales", [1.0, "x", 1.0, 1.0, 1.0, 1.0], "state.scales"),
-        ("state.scales", [1.0, 0.0, 1.0, 1.0, 1.0, 1.0], "state.scales"),
+        ("state.xty", [0.0] * 8, "state.xty"),
+        ("state.xty", [0.0] * 8 + [math.inf], "state.xty"),
+        ("state.scales", [1.0, "x"] + [1.0] * 7, "state.scales"),
+        ("state.scales", [1.0, 0.0] + [1.0] * 7, "state.scales"),
         ("state.n_eff", -5.0, "state.n_eff"),
         ("state.yty", math.nan, "state.yty"),
         ("state.residual_scale", math.nan, "state.residual_scale"),
@@ -297,9 +345,9 @@ def test_without_plausibility_checks_one_hostile_pass_wrecks_the_fit() -> None:
     """Why the checks exist (and why the test above can fail): 1/y^2 weighting gives a
     very fast pass enormous leverage, and a one-sided gate never rejects it."""
     model = trained(np.random.default_rng(17), n=5000, fast_factor=1e12, budget_factor=1e12)
-    before = model.coefficients["prefill_tokens"]
+    before = model.coefficients["compute.tokens"]
     model.update_batch(_row(2e5), [0.010], [("w", 0)])
-    assert model.coefficients["prefill_tokens"] < 0.5 * before
+    assert model.coefficients["compute.tokens"] < 0.5 * before
 
 
 def test_ready_needs_prefill_and_decode_passes() -> None:
@@ -375,7 +423,8 @@ def test_formula_names_features_in_milliseconds() -> None:
     assert formula.startswith("step_ms = ")
     intercept_ms = float(formula.removeprefix("step_ms = ").split(" + ")[0])
     assert intercept_ms == pytest.approx(4.0, rel=0.05)  # the true 4 ms
-    assert "*prefill_tok" in formula and "*decode_kv" in formula
+    assert "*tokens" in formula and "*decode_kv" in formula
+    assert "max(" not in formula  # linear: no memory side, so no max
 
 
 def test_attention_term_exact_for_single_request_and_equal_chunks() -> None:
@@ -392,7 +441,7 @@ def test_attention_term_exact_for_single_request_and_equal_chunks() -> None:
 def test_predicts_hypothetical_batches() -> None:
     model = trained(np.random.default_rng(11), n=5000, noise=0.02)
     big = ScheduledRequestMetrics(num_decode_requests=200, sum_decode_kv_tokens=400_000)
-    truth = float(feature_matrix(sched_matrix([big]))[0] @ TRUE_VEC)
+    truth = float(truth_times(sched_matrix([big]))[0])
     assert model.predict(big) == pytest.approx(truth, rel=0.05)
 
 
@@ -403,10 +452,13 @@ def test_nnls_normal_matches_scipy(seed: int) -> None:
     a = rng.normal(size=(30, 5))
     b = rng.normal(size=30)
     ours = nnls_normal(a.T @ a, a.T @ b)
+    # Warm-started on any support (a previous solution's), the answer is the same.
+    warm = nnls_normal(a.T @ a, a.T @ b, support=rng.random(5) < 0.5)
     ref, _ = nnls(a, b)
-    assert (ours >= 0).all()
     cost = lambda x: float(np.sum((a @ x - b) ** 2))  # noqa: E731
-    assert cost(ours) <= cost(ref) + 1e-8 * max(1.0, cost(ref))
+    for x in (ours, warm):
+        assert (x >= 0).all()
+        assert cost(x) <= cost(ref) + 1e-8 * max(1.0, cost(ref))
 
 
 def test_runs_of_stalled_passes_do_not_open_the_gate() -> None:
@@ -443,7 +495,16 @@ def test_follows_a_slower_engine_despite_a_long_half_life() -> None:
     shift is persistent, the model forgets faster (drift) and follows."""
     rng = np.random.default_rng(14)
     model = trained(rng, n=10000)  # default half-life of 20,000 passes
-    slower = TRUE_VEC * np.array([2.0, 2.5, 1.6, 2.0, 2.0, 3.0])
+    slower = scaled(
+        {
+            "intercept": 2.0,
+            "prefill_requests": 2.0,
+            "decode_requests": 2.0,
+            "compute.tokens": 2.5,
+            "compute.prefill_attention": 1.6,
+            "compute.decode_kv_tokens": 3.0,
+        }
+    )
     for _ in range(10):
         sched = compositions(rng, 1000)
         model.update_batch(sched, step_times(rng, sched, 0.05, slower), [("w", 0)] * 1000)
@@ -455,3 +516,161 @@ def test_regime_requirement_survives_a_restart_and_follows_min_samples() -> None
     assert CostModel.from_dict(explicit, min_samples=50).min_regime_samples == 7
     derived = CostModel().to_dict()  # a tenth of min_samples, re-derived on restore
     assert CostModel.from_dict(derived, min_samples=50).min_regime_samples == 5
+
+
+# -- the simulator's H100 roofline ---------------------------------------------
+
+H100 = H100_LLAMA_8B
+# The profile's physics as coefficients (see simulator/ground_truth.py).
+H100_COEF = {
+    "intercept": H100.overhead_s,
+    "prefill_requests": H100.per_request_s,
+    "decode_requests": H100.per_request_s,
+    "compute.tokens": 2.0 * H100.params / H100.flops_per_s,
+    "compute.prefill_attention": 4.0 * H100.layers * H100.d_model / H100.flops_per_s,
+    "compute.decode_kv_tokens": 4.0 * H100.layers * H100.d_model / H100.flops_per_s,
+    "memory.intercept": H100.weight_bytes / H100.hbm_bytes_per_s,
+    "memory.kv_read_tokens": H100.kv_bytes_per_token / H100.hbm_bytes_per_s,
+    "memory.kv_write_tokens": H100.kv_bytes_per_token / H100.hbm_bytes_per_s,
+}
+
+
+def gpu_compositions(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Decode-only, mixed and prefill-only passes of a GPU engine: decode batches of 1-256
+    at 64-8192 tokens of context, prefill chunks of 16-2048 tokens on 0-4096 cached."""
+    rows = np.zeros((n, 7))
+    kind = rng.random(n)
+    has_p = kind >= 0.5
+    has_d = kind < 0.85
+    n_pre = np.where(has_p, rng.integers(1, 4, n), 0)
+    chunk = np.exp(rng.uniform(np.log(16), np.log(2048), n)).round()
+    rows[:, 0] = n_pre
+    rows[:, 1] = np.where(has_p, chunk, 0.0)
+    rows[:, 3] = np.where(has_p, rng.integers(0, 4096, n) * n_pre, 0.0)
+    n_dec = np.where(has_d, np.exp(rng.uniform(0.0, np.log(256), n)).round(), 0.0)
+    rows[:, 4] = n_dec
+    rows[:, 5] = n_dec * np.exp(rng.uniform(np.log(64), np.log(8192), n)).round()
+    return rows
+
+
+def h100_times(sched: np.ndarray) -> np.ndarray:
+    # Equal chunks (variance 0): the model's prefill attention is then the profile's.
+    return np.array([H100.mean_time(r[1], r[3], r[0], r[4], r[5]) for r in sched])
+
+
+def steady_grid() -> np.ndarray:
+    """Steady-state mixed batches (a prefill chunk beside a decode batch) and decode batches."""
+    rows = [
+        [1, p, 0, 0, dq, dq * ctx, 0]
+        for p in (0, 256, 512, 1024, 2048, 4096, 8192)
+        for dq in (1, 8, 32, 64, 128, 256)
+        for ctx in (500, 1500, 4000)
+    ]
+    grid = np.array(rows, dtype=np.float64)
+    grid[grid[:, 1] == 0, 0] = 0  # no prefill request without prefill tokens
+    return grid
+
+
+@pytest.fixture(scope="module")
+def h100_model() -> CostModel:
+    rng = np.random.default_rng(21)
+    model = CostModel(warmup_passes=0)
+    n = 30000
+    sched = gpu_compositions(rng, n)
+    y = h100_times(sched) * np.exp(rng.normal(0.0, H100.noise_sigma, n))
+    for s in range(0, n, 64):  # in small batches, as the ingest pipeline feeds it
+        model.update_batch(sched[s : s + 64], y[s : s + 64], [("gpu", 0)] * len(y[s : s + 64]))
+    return model
+
+
+def test_recovers_the_h100_roofline(h100_model: CostModel) -> None:
+    """The simulator's ground truth is a roofline; its physics comes back.
+
+    Stated tolerances, for what the passes identify (the worst of seeds 21-26 in
+    brackets): the GEMM cost per token, the weight read and the KV read per token within
+    1% (0.6%), prefill attention and the per-decode-request host cost within 5% (3%,
+    0.9%), the fixed overhead within 5% (3.9%). Not identified, so not asserted beyond
+    >= 0: the 10 us per prefill request (beside a 2-70 ms prefill pass; off by up to
+    35%), decode attention FLOPs (1 ns per context token, a few % of the compute-bound
+    passes; up to 58%) and the KV write of prompt tokens (memory-bound passes that
+    compute prompt tokens compute few).
+    """
+    model = h100_model
+    assert model.ready and model.roofline_active
+    coef, se = model.coefficients, model.std_errors
+    tolerance = {
+        "compute.tokens": 0.01,
+        "memory.intercept": 0.01,
+        "memory.kv_read_tokens": 0.01,
+        "compute.prefill_attention": 0.05,
+        "decode_requests": 0.05,
+        "intercept": 0.05,
+    }
+    for name, rel in tolerance.items():
+        assert coef[name] == pytest.approx(H100_COEF[name], rel=rel), name
+        assert math.isfinite(se[name]) and se[name] > 0, name
+    assert all(v >= 0.0 for v in coef.values())
+    formula = model.formula()
+    assert "+ max(" in formula and "*tokens" in formula and "*kv_read" in formula
+
+
+def test_predicts_the_h100_steady_grid_within_2_percent(h100_model: CostModel) -> None:
+    """Steady-state mixed and decode batches (where the linear model was ~15% off, up to
+    57%): every one within 2% of the profile's noise-free time (0.6% at worst measured)."""
+    grid = steady_grid()
+    err = np.abs(h100_model.predict_many(grid) / h100_times(grid) - 1.0)
+    assert err.max() < 0.02, err.max()
+    # And prequentially the error is the 3% noise: median |N(0, 0.03)| = 2.0%.
+    assert h100_model.quality.median_ape < 0.025
+
+
+def test_linear_model_misses_the_h100_roofline(h100_model: CostModel) -> None:
+    """Why the roofline: the best linear fit (NNLS, relative error) of the same passes is
+    far off somewhere on the steady grid."""
+    rng = np.random.default_rng(22)
+    sched = gpu_compositions(rng, 20000)
+    y = h100_times(sched)
+    x = feature_matrix(sched)[:, :6] / np.array([1, 1e3, 1e6, 1, 1e2, 1e5])
+    w = 1.0 / y**2
+    gram = (x * w[:, None]).T @ x
+    coef = nnls_normal(gram + np.eye(6) * 1e-9 * np.trace(gram), x.T @ (w * y))
+    grid = steady_grid()
+    xg = feature_matrix(grid)[:, :6] / np.array([1, 1e3, 1e6, 1, 1e2, 1e5])
+    linear_err = np.abs(xg @ coef / h100_times(grid) - 1.0)
+    roof_err = np.abs(h100_model.predict_many(grid) / h100_times(grid) - 1.0)
+    assert linear_err.max() > 0.15 > 10 * roof_err.max()
+
+
+def test_roofline_snapshot_round_trip(h100_model: CostModel) -> None:
+    snapshot = json.loads(json.dumps(h100_model.to_dict()))
+    assert len(json.dumps(snapshot)) < 8000
+    restored = CostModel.from_dict(snapshot)
+    grid = steady_grid()
+    np.testing.assert_allclose(
+        restored.predict_many(grid), h100_model.predict_many(grid), rtol=1e-6
+    )
+    assert restored.roofline_active and restored.formula() == h100_model.formula()
+    # It keeps learning: new buckets start on the side the restored roofline says.
+    rng = np.random.default_rng(23)
+    sched = gpu_compositions(rng, 5000)
+    restored.update_batch(sched, h100_times(sched), [("gpu", 0)] * 5000)
+    err = np.abs(restored.predict_many(grid) / h100_times(grid) - 1.0)
+    assert restored.roofline_active and err.max() < 0.02
+
+
+def test_each_pass_is_predicted_on_its_larger_side(h100_model: CostModel) -> None:
+    coef = h100_model.coefficients
+    small = sched_matrix(
+        [ScheduledRequestMetrics(num_decode_requests=4, sum_decode_kv_tokens=4000)]
+    )
+    big = sched_matrix([ScheduledRequestMetrics(1, 2048, 0.0, 0, 16, 16000, 0.0)])
+    base_small = coef["intercept"] + 4 * coef["decode_requests"]
+    memory_small = coef["memory.intercept"] + 4000 * coef["memory.kv_read_tokens"]
+    assert h100_model.predict_many(small)[0] == pytest.approx(base_small + memory_small)
+    compute_big = (
+        2064 * coef["compute.tokens"]
+        + (2048**2 / 2) * coef["compute.prefill_attention"]
+        + 16000 * coef["compute.decode_kv_tokens"]
+    )
+    base_big = coef["intercept"] + coef["prefill_requests"] + 16 * coef["decode_requests"]
+    assert h100_model.predict_many(big)[0] == pytest.approx(base_big + compute_big)
