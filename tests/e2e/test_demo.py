@@ -19,11 +19,13 @@ def test_demo_runs_the_whole_loop(tmp_path: Path) -> None:
     # The live view shows the kubectl-style columns and a decision with a reason.
     assert "NAME     REPLICAS  READY  DESIRED" in proc.stdout
     assert "decision" in proc.stdout and "(advisory)" in proc.stdout
+    # The file holds the VllmDeployment status the operator would write.
     status = json.loads(out.read_text())
     streams = status["streams"]
-    assert streams["passes"] > 100 and streams["lost"] == 0 and not streams["rejected"]
-    assert status["cost_model"]["samples"] > 0
-    assert "step_ms =" in status["cost_model"]["formula"]
+    assert streams["passes"] > 100 and streams["gaps"] == 0 and streams["malformed"] == 0
+    assert status["costModel"]["samples"] > 0
+    assert "step_ms =" in status["costModel"]["formula"]
+    assert status["mode"] == "advisory" and status["replicas"] == 1
     # Once the engine is gone its stream is missing: the planner holds.
-    assert status["last_decision"]["action"] == "hold"
-    assert "missing" in status["last_decision"]["reason"]
+    assert status["lastDecision"]["action"] == "hold"
+    assert "missing" in status["lastDecision"]["reason"]

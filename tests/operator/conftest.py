@@ -16,7 +16,9 @@ What kmock (0.8) does not emulate, and what these fixtures do about it:
   422: :class:`ApiServerEmulator` answers 422;
 * ``GET /api/v1/namespaces`` fails, so kopf runs cluster-wide here;
 * no schema validation, defaulting, pruning or CEL: the CRD is not enforced
-  (tests/operator/test_crd.py checks the schema against what the operator writes);
+  (tests/operator/test_status_and_crd.py checks the schema against what the
+  operator writes); no validation of built-in kinds either: a test that needs
+  the API server to refuse an object sets :attr:`ApiServerEmulator.refuse`;
 * no status/scale subresource semantics: a patch to ``/status`` merges into the
   whole object, ``/scale`` returns the object itself;
 * no server-side apply (an apply patch is a merge patch; apply does not create,
@@ -25,7 +27,11 @@ What kmock (0.8) does not emulate, and what these fixtures do about it:
 * no controllers: no Deployment controller, no kubelet, no garbage collection
   through owner references. :class:`FakeCluster` plays the Deployment controller
   and the kubelet: it creates Ready pods with IPs on 127.0.0.x for the
-  Deployment's replicas and starts a publisher per pod and rank.
+  Deployment's replicas, starts a publisher per pod and rank, replaces every pod
+  when the pod template changes (a rollout, all at once rather than one by one)
+  and writes the Deployment's ``status.replicas``/``readyReplicas``;
+* no RBAC: :attr:`ApiServerEmulator.calls` records what the operator asked for,
+  and the ``api`` fixture checks it against the permissions the chart grants.
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ import asyncio
 import contextlib
 import copy
 import datetime
+import hashlib
 import itertools
+import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +62,7 @@ from stepscale_operator.controller.entry import run_operator
 from stepscale_operator.controller.handlers import ControllerConfig, ControllerState
 from stepscale_operator.controller.kube_api import KubernetesApi, api_client_from_environment
 from stepscale_operator.controller.metrics import OperatorMetrics
+from stepscale_operator.controller.permissions import Call, required_calls
 
 NAMESPACE = "llm"
 VD_RESOURCE = "stepscale.io/v1alpha1/vllmdeployments"
@@ -63,10 +72,51 @@ FPM_BASE_PORT = 20380
 _resource_versions = itertools.count(1000)
 
 
+def request_call(request: Any) -> Call | None:
+    """(group, resource[/subresource], verb) of an API request; None for discovery paths."""
+    if request.resource is None or not request.resource.plural:
+        return None  # discovery (/api, /apis/GROUP/VERSION, /version): open to every user
+    resource = request.resource.plural
+    if request.subresource:
+        resource = f"{resource}/{request.subresource}"
+    method = str(getattr(request.method, "value", request.method)).upper()
+    if method == "GET":
+        if str(request.params.get("watch", "")).lower() in ("true", "1"):
+            verb = "watch"
+        else:
+            verb = "get" if request.name else "list"
+    else:
+        verb = {"POST": "create", "PATCH": "patch", "PUT": "update"}.get(method, "delete")
+    return (request.resource.group or "", resource, verb)
+
+
 class ApiServerEmulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus what an API server adds to objects (see the module docstring)."""
+    """kmock's emulator plus what an API server adds to objects (see the module docstring).
+
+    ``refuse``: called with each create/update request's (resource plural, body);
+    a message it returns is answered as a 422 Invalid, the way a real server
+    refuses an invalid object. ``calls``: the operator's requests (not the tests').
+    """
+
+    refuse: Callable[[str, Any], str | None] | None = None
+    calls: set[Call]
 
     async def _handle(self, request: Any) -> Any:
+        if not hasattr(self, "calls"):
+            self.calls = set()
+        user_agent = str(request.headers.get("User-Agent", ""))
+        call = request_call(request)
+        if call is not None and not user_agent.startswith("kmock/"):
+            self.calls.add(call)
+        if (
+            self.refuse is not None
+            and request.resource is not None
+            and request.action in (enums.action.CREATE, enums.action.UPDATE)
+            and isinstance(request.data, dict)  # not kopf's JSON patches
+        ):
+            message = self.refuse(request.resource.plural, request.data)
+            if message:
+                raise kmock.KubernetesError(status=422, reason="Invalid", message=message)
         if request.resource is not None:
             rv = str(next(_resource_versions))
             data = request.data
@@ -144,10 +194,14 @@ def declare_resources(api: kmock.KubernetesEmulator) -> None:
 
 @pytest_asyncio.fixture
 async def api() -> AsyncIterator[ApiServerEmulator]:
-    """An emulated API server on a loopback port."""
+    """An emulated API server on a loopback port; afterwards, every request the operator
+    made must be one the chart's ClusterRole grants (operator tests run cluster-wide)."""
     async with ApiServerEmulator() as emulator, kmock.Server(emulator):
         declare_resources(emulator)
+        emulator.calls = set()
         yield emulator
+    not_granted = emulator.calls - required_calls(namespaced=False)
+    assert not not_granted, f"requests the ClusterRole does not grant: {sorted(not_granted)}"
 
 
 def get_object(
@@ -217,12 +271,17 @@ def vd_body(name: str, **autoscaling: Any) -> dict[str, Any]:
 
 STEP_INTERCEPT_S = 0.004
 STEP_PER_DECODE_S = 0.00031
+STEP_PER_PREFILL_TOKEN_S = 0.00002
 DECODE_CONTEXT = 1000
+# Every 8th pass also computes a small prompt chunk: the cost model needs prefill-bearing
+# passes before it is ready, and chunks this small keep the decode ITL near the decode law.
+PREFILL_EVERY = 8
+PREFILL_CHUNKS = (8, 16, 32)
 
 
-def step_time(batch: int) -> float:
-    """The fake engine's forward-pass time for ``batch`` decode requests."""
-    return STEP_INTERCEPT_S + STEP_PER_DECODE_S * batch
+def step_time(batch: int, prefill_tokens: int = 0) -> float:
+    """The fake engine's forward-pass time for ``batch`` decode requests and a prompt chunk."""
+    return STEP_INTERCEPT_S + STEP_PER_DECODE_S * batch + STEP_PER_PREFILL_TOKEN_S * prefill_tokens
 
 
 @dataclass
@@ -256,22 +315,28 @@ class EngineStandIn:
         # Batches and contexts vary around their means (as requests come and go), so
         # that the model can tell the fixed cost from the per-request cost.
         spread = itertools.cycle([(0.5, 0.5), (1.0, 1.5), (1.5, 1.0), (1.0, 1.0)])
+        chunks = itertools.cycle(PREFILL_CHUNKS)
         sim = time.monotonic()
+        passes = 0
         while not self._stop.is_set():
             now = time.monotonic()
             while sim < now:
                 batch_scale, context_scale = next(spread)
                 b = max(1, round(self._batch() * batch_scale))
-                wall = step_time(b)
+                prefill = next(chunks) if passes % PREFILL_EVERY == 0 else 0
+                wall = step_time(b, prefill)
                 self.publisher.publish(
                     wall,
                     wire.ScheduledRequestMetrics(
+                        num_prefill_requests=1 if prefill else 0,
+                        sum_prefill_tokens=prefill,
                         num_decode_requests=b,
                         sum_decode_kv_tokens=int(b * DECODE_CONTEXT * context_scale),
                     ),
                     wire.QueuedRequestMetrics(),
                 )
                 sim += wall
+                passes += 1
             self._stop.wait(0.05)
 
     def close(self) -> None:
@@ -282,6 +347,29 @@ class EngineStandIn:
 
 
 @dataclass
+class FakePod:
+    """A pod as the fake kubelet runs it."""
+
+    owner: str | None  # the Deployment that made it (None: created by a test)
+    ip: str
+    ready: bool
+    template: str = ""  # digest of the pod template it was made from
+
+
+def template_digest(deployment: dict[str, Any]) -> str:
+    """Digest of a Deployment's pod template (a change means a rollout)."""
+    template = deployment.get("spec", {}).get("template", {})
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def fpm_ports_of(deployment: dict[str, Any]) -> list[int]:
+    """The FPM container ports (``fpm-<rank>``) of a Deployment's vLLM container."""
+    containers = deployment.get("spec", {}).get("template", {}).get("spec", {}).get("containers")
+    ports = (containers or [{}])[0].get("ports", [])
+    return [int(p["containerPort"]) for p in ports if str(p.get("name", "")).startswith("fpm-")]
+
+
+@dataclass
 class FakeCluster:
     """Plays the Deployment controller and the kubelet for the Deployments of one test."""
 
@@ -289,25 +377,55 @@ class FakeCluster:
     load: FleetLoad = field(default_factory=FleetLoad)
     publishing: bool = True
     engines: dict[str, list[EngineStandIn]] = field(default_factory=dict)
+    pods: dict[str, FakePod] = field(default_factory=dict)
     _ips: itertools.count[int] = field(default_factory=lambda: itertools.count(2))
-    _pod_ip: dict[str, str] = field(default_factory=dict)
+    _serial: itertools.count[int] = field(default_factory=itertools.count)
+    _written_status: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def serving(self) -> int:
         """Pods with engines."""
         return max(1, len(self.engines))
 
+    def pods_of(self, deployment: str) -> list[str]:
+        """Names of the pods ``deployment`` made, oldest first."""
+        return [name for name, pod in self.pods.items() if pod.owner == deployment]
+
     async def reconcile(self, deployment: str) -> None:
-        """Make the pods of ``deployment`` match its replicas (Ready, with engines)."""
+        """Make the pods of ``deployment`` match its replicas and template; write its status."""
         dep = get_object(self.api, DEPLOY_RESOURCE, deployment)
-        want = int((dep or {}).get("spec", {}).get("replicas", 0)) if dep else 0
-        labels = (
-            (dep or {}).get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
+        want = int(dep.get("spec", {}).get("replicas", 0)) if dep else 0
+        template = template_digest(dep) if dep else ""
+        # A new pod template rolls every pod (all at once here).
+        for name in self.pods_of(deployment):
+            if self.pods[name].template != template:
+                await self.remove_pod(name)
+        current = self.pods_of(deployment)
+        labels = (dep or {}).get("spec", {}).get("template", {}).get("metadata", {}).get("labels")
+        for _ in range(len(current), want):
+            await self.add_pod(
+                f"{deployment}-{next(self._serial)}",
+                dict(labels or {}),
+                owner=deployment,
+                template=template,
+                fpm_ports=fpm_ports_of(dep or {}) or [FPM_BASE_PORT],
+            )
+        for name in current[want:][::-1]:
+            await self.remove_pod(name)
+        if dep is not None:
+            await self.write_status(deployment)
+
+    async def write_status(self, deployment: str) -> None:
+        """Deployment status as its controller reports it: pods, and Ready pods."""
+        names = self.pods_of(deployment)
+        counts = (len(names), sum(1 for n in names if self.pods[n].ready))
+        if self._written_status.get(deployment) == counts:
+            return
+        self._written_status[deployment] = counts
+        await patch(
+            self.api,
+            f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{deployment}/status",
+            {"status": {"replicas": counts[0], "readyReplicas": counts[1]}},
         )
-        pods = sorted(p for p in self._pod_ip if p.startswith(f"{deployment}-"))
-        for i in range(len(pods), want):
-            await self.add_pod(f"{deployment}-{i}", labels)
-        for pod in pods[want:]:
-            await self.remove_pod(pod)
 
     @contextlib.asynccontextmanager
     async def following(self, deployment: str) -> AsyncIterator[None]:
@@ -326,10 +444,22 @@ class FakeCluster:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def add_pod(self, name: str, labels: dict[str, str], ready: bool = True) -> str:
-        """Create a pod as the kubelet reports it: Running, Ready, with a 127.0.0.x IP."""
-        ip = f"127.0.0.{next(self._ips)}"
-        self._pod_ip[name] = ip
+    async def add_pod(
+        self,
+        name: str,
+        labels: dict[str, str],
+        ready: bool = True,
+        *,
+        owner: str | None = None,
+        template: str = "",
+        fpm_ports: Sequence[int] = (FPM_BASE_PORT,),
+        ip: str | None = None,
+        engines: bool = True,
+    ) -> str:
+        """Create a pod as the kubelet reports it: Running, Ready, with a 127.0.0.x IP,
+        and (``engines``, while publishing) an engine stand-in per FPM port (rank)."""
+        ip = ip or f"127.0.0.{next(self._ips)}"
+        self.pods[name] = FakePod(owner, ip, ready, template)
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         status = {
             "phase": "Running",
@@ -337,14 +467,12 @@ class FakeCluster:
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
             "startTime": now,
         }
-        if self.publishing:
+        if engines and self.publishing:
             self.engines[name] = [
                 EngineStandIn(
-                    f"tcp://{ip}:{FPM_BASE_PORT}",
-                    name,
-                    0,
-                    lambda: self.load.batch_for(self.serving()),
+                    f"tcp://{ip}:{port}", name, rank, lambda: self.load.batch_for(self.serving())
                 )
+                for rank, port in enumerate(fpm_ports)
             ]
         body = {
             "apiVersion": "v1",
@@ -358,6 +486,7 @@ class FakeCluster:
 
     async def set_ready(self, name: str, ready: bool) -> None:
         """Flip a pod's Ready condition (as the kubelet does when a probe fails)."""
+        self.pods[name].ready = ready
         cond = [{"type": "Ready", "status": "True" if ready else "False"}]
         await patch(
             self.api,
@@ -365,20 +494,28 @@ class FakeCluster:
             {"status": {"conditions": cond}},
         )
 
-    async def remove_pod(self, name: str) -> None:
-        """Delete a pod and stop its engines."""
+    def _stop_engines(self, name: str) -> None:
         for engine in self.engines.pop(name, []):
             engine.close()
-        self._pod_ip.pop(name, None)
+
+    async def remove_pod(self, name: str) -> None:
+        """Delete a pod and stop its engines."""
+        self._stop_engines(name)
+        self.pods.pop(name, None)
         await delete(self.api, f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
+
+    def vanish_pod(self, name: str) -> None:
+        """Delete a pod without a watch event: what a watcher that was down (re-list,
+        peering pause) never hears about."""
+        self._stop_engines(name)
+        self.pods.pop(name, None)
+        self.api.objects[(kmock.resource("v1/pods"), NAMESPACE, name)].delete()
 
     def silence(self) -> None:
         """Every engine stops publishing (pods stay Ready): the streams go stale."""
         self.publishing = False
-        for engines in self.engines.values():
-            for engine in engines:
-                engine.close()
-        self.engines.clear()
+        for name in list(self.engines):
+            self._stop_engines(name)
 
     def close(self) -> None:
         """Stop every engine."""
@@ -422,7 +559,7 @@ async def operator_running(
     ready_flag = asyncio.Event()
     task = asyncio.create_task(
         run_operator(
-            config=config or ControllerConfig(tick_s=0.25, standalone=True),
+            config=config or ControllerConfig(tick_s=0.25, pod_resync_s=1.0, standalone=True),
             metrics_port=None,
             liveness_endpoint=None,
             kube_host=url,
@@ -475,6 +612,11 @@ def deployment_replicas(api: kmock.KubernetesEmulator, name: str) -> int | None:
     """The child Deployment's spec.replicas."""
     dep = get_object(api, DEPLOY_RESOURCE, name)
     return None if dep is None else int(dep["spec"]["replicas"])
+
+
+def scaling_events(api: kmock.KubernetesEmulator) -> list[dict[str, Any]]:
+    """ScaledUp/ScaledDown events posted so far."""
+    return [e for e in events(api) if e.get("reason") in ("ScaledUp", "ScaledDown")]
 
 
 def events(api: kmock.KubernetesEmulator, reason: str | None = None) -> list[dict[str, Any]]:

@@ -14,7 +14,12 @@ from stepscale_operator.controller.children import (
     selector_string,
     vllm_args,
 )
-from stepscale_operator.controller.discovery import PodDirectory, pod_view
+from stepscale_operator.controller.discovery import (
+    PendingPods,
+    PodDirectory,
+    StreamChanges,
+    pod_view,
+)
 from stepscale_operator.controller.spec import SpecError, parse_spec
 
 BASE: dict[str, Any] = {"model": "m", "image": "img:1"}
@@ -49,6 +54,12 @@ def test_defaults_match_the_crd_defaults() -> None:
         ({"autoscaling": {"slo": {"itlMs": 0}}}, "spec.autoscaling.slo.itlMs: must be > 0"),
         ({"model": ""}, "spec.model"),
         ({"autoscaling": {"costModel": {"initialCoefficients": {"bogus": 1}}}}, "unknown"),
+        ({"resources": {"gpus": 1, "cpu": "4 cores"}}, "spec.resources.cpu: '4 cores' is not"),
+        ({"resources": {"gpus": 1, "memory": "16gb"}}, "write it like 500m, 4, 16Gi"),
+        (
+            {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
+            "spec.env: A set more than once",
+        ),
     ],
 )
 def test_invalid_specs_say_what_to_fix(changes: dict[str, Any], fragment: str) -> None:
@@ -186,3 +197,61 @@ def test_malformed_pods_read_as_not_ready() -> None:
     ):
         view = pod_view(raw)
         assert not view.serving
+
+
+def test_valid_quantities_pass() -> None:
+    for cpu, memory in (("500m", "16Gi"), ("4", "64G"), ("0.5", "1e9"), ("2", "512Mi")):
+        spec = parse_spec(spec_with(resources={"gpus": 1, "cpu": cpu, "memory": memory}))
+        assert (spec.resources.cpu, spec.resources.memory) == (cpu, memory)
+
+
+def test_resync_forgets_pods_a_listing_lacks() -> None:
+    """A deletion the watch missed: the listing drops the pod and its streams."""
+    pods = PodDirectory(base_port=20380, data_parallel_size=1)
+    pods.observe(pod_view(pod("a", "10.0.0.1", ready=True)))
+    pods.observe(pod_view(pod("b", "10.0.0.2", ready=True)))
+    since = pods.mark()
+    changes = pods.resync([pod_view(pod("a", "10.0.0.1", ready=True))], since)
+    assert changes.removed == {"tcp://10.0.0.2:20380": ("b", 0)} and not changes.added
+    assert set(pods.pods) == {"a"}
+    # A pod the watch never reported (a missed ADDED) comes in from the listing.
+    changes = pods.resync(
+        [pod_view(pod("a", "10.0.0.1", ready=True)), pod_view(pod("c", "10.0.0.3", ready=True))],
+        pods.mark(),
+    )
+    assert changes.added == {"tcp://10.0.0.3:20380": ("c", 0)} and not changes.removed
+
+
+def test_resync_does_not_undo_events_newer_than_the_listing() -> None:
+    pods = PodDirectory(base_port=20380, data_parallel_size=1)
+    pods.observe(pod_view(pod("a", "10.0.0.1", ready=True)))
+    since = pods.mark()  # the listing starts here...
+    pods.observe(pod_view(pod("b", "10.0.0.2", ready=True)))  # ...an ADDED arrives meanwhile
+    pods.forget("a")  # ...and a DELETED
+    listed = [pod_view(pod("a", "10.0.0.1", ready=True))]  # the listing predates both
+    changes = pods.resync(listed, since)
+    assert not changes
+    assert set(pods.pods) == {"b"}
+    # The next listing (after both events) agrees; forgotten pods are not kept forever.
+    assert not pods.resync([pod_view(pod("b", "10.0.0.2", ready=True))], pods.mark())
+    assert set(pods.pods) == {"b"}
+
+
+def test_stream_changes_merge_cancels_a_drop_and_re_add() -> None:
+    a = {"tcp://x:1": ("p", 0)}
+    merged = StreamChanges.merge([StreamChanges({}, dict(a)), StreamChanges(dict(a), {})])
+    assert not merged
+    merged = StreamChanges.merge([StreamChanges(dict(a), {}), StreamChanges({}, dict(a))])
+    assert not merged
+
+
+def test_pending_pods_are_bounded_oldest_first() -> None:
+    pending = PendingPods(limit=3)
+    for i in range(5):
+        pending.put(("ns", "vd"), f"p{i}", {"metadata": {"name": f"p{i}"}})
+    assert len(pending) == 3
+    pending.discard(("ns", "vd"), "p3")
+    pending.put(("ns", "other"), "q", {"metadata": {"name": "q"}})
+    names = [b["metadata"]["name"] for b in pending.pop_owner(("ns", "vd"))]
+    assert names == ["p2", "p4"]
+    assert len(pending) == 1

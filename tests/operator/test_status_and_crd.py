@@ -9,7 +9,6 @@ status built from a real, fitted core must come through unchanged.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import yaml
 from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics
 from stepscale_operator.controller.autoscaler import new_cost_model, planner_policy
 from stepscale_operator.controller.metrics import METRICS, OperatorMetrics
-from stepscale_operator.controller.spec import parse_spec
+from stepscale_operator.controller.spec import QUANTITY_PATTERN, parse_spec
 from stepscale_operator.controller.status import (
     build_conditions,
     build_status,
@@ -103,7 +102,7 @@ def drop_nulls(value: Any) -> Any:
     return value
 
 
-def fitted_status(planner_ready: bool = True) -> dict[str, Any]:
+def fitted_status() -> dict[str, Any]:
     """A status from a real core that learned a few hundred passes and decided."""
     spec = parse_spec(
         {"model": "m", "image": "i", "autoscaling": {"costModel": {"minSamples": 50}}}
@@ -271,12 +270,15 @@ def test_crd_shape() -> None:
         "labelSelectorPath": ".status.selector",
     }
     assert "status" in version["subresources"]
-    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    for path in columns.values():
-        if path.startswith(".status"):
-            node = schema()
-            for part in path.strip(".").split("."):
-                node = node["properties"][part]
+    columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
+    status_columns = [c for c in columns.values() if c["jsonPath"].startswith(".status")]
+    assert len(status_columns) >= 6
+    for column in status_columns:
+        # Every printer column reads a declared status field of its own type.
+        node = schema()
+        for part in column["jsonPath"].strip(".").split("."):
+            node = node["properties"][part]
+        assert node["type"] == column["type"], column["name"]
     assert set(columns) >= {"Replicas", "Ready", "Desired", "TTFT(ms)", "ITL(ms)", "MAPE(%)", "Age"}
     rules = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"]
     from stepscale_operator.controller import spec as spec_module
@@ -328,4 +330,18 @@ def test_metrics_are_declared_once_with_units_and_deployment_label() -> None:
     metrics.forget("ns/x")
     samples = [s for f in metrics.registry.collect() for s in f.samples]
     assert not [s for s in samples if s.labels.get("deployment") == "ns/x"]
-    assert not math.isnan(0.0)
+
+
+def test_crd_env_is_a_map_and_quantities_have_a_pattern() -> None:
+    """Duplicate env names and bad quantities are refused by the CRD, as by the parser."""
+    spec_props = schema()["properties"]["spec"]["properties"]
+    env = spec_props["env"]
+    assert env["x-kubernetes-list-type"] == "map"
+    assert env["x-kubernetes-list-map-keys"] == ["name"]
+    assert "name" in env["items"]["required"]  # a list-map key must be required
+    resources = spec_props["resources"]["properties"]
+    for field in ("cpu", "memory"):
+        assert resources[field]["pattern"] == QUANTITY_PATTERN
+    crd_text = CRD_PATH.read_text()
+    chart_text = (REPO / "charts" / "stepscale" / "crds" / "vllmdeployment.yaml").read_text()
+    assert crd_text == chart_text

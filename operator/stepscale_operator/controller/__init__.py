@@ -8,6 +8,8 @@ Pure modules (no Kubernetes API calls, importable without kopf):
 * :mod:`.status`: the status subresource built from the core's state;
 * :mod:`.cost_model_prior`: a cost-model snapshot seeded from initial coefficients;
 * :mod:`.metrics`: the operator's Prometheus metrics, declared in one table;
+* :mod:`.rounds`: a decision round's event and metrics;
+* :mod:`.permissions`: every Kubernetes permission the operator needs, and why;
 * :mod:`.autoscaler`: one deployment's ingest, model, load and planner (ZMQ, no Kubernetes).
 
 Kubernetes-facing modules: :mod:`.kube_api` (the few API calls), :mod:`.handlers`

@@ -18,9 +18,9 @@ import logging
 import math
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from stepscale_engine.rate_limited_log import RateLimitedLog
@@ -46,6 +46,8 @@ from stepscale_operator.subscriber import FpmSubscriber
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_BATCHES = 10_000
+# Per-stream counts that the operator's counters total (stream_state.StreamState fields).
+COUNTED_FIELDS = ("messages", "passes", "lost", "restarts")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class DecisionRound:
     ready: int
     starting: int
     ingested_messages: int
+    # Monotonic totals since this autoscaler started (see DeploymentAutoscaler.totals).
+    totals: dict[str, int] = field(default_factory=dict)
 
 
 def planner_policy(spec: VllmDeploymentSpec) -> PlannerPolicy:
@@ -121,6 +125,9 @@ class DeploymentAutoscaler:
         self._lock = threading.RLock()
         self._queue: deque[tuple[float, list[ForwardPassMetrics]]] = deque()
         self.dropped_batches = 0
+        # Counts of streams no longer in the model (pods gone, model rebuilt), so that
+        # the totals never go down when a stream leaves.
+        self._retired: Counter[str] = Counter()
         self._rate_log = RateLimitedLog(log)
         cost_model, self.model_origin = new_cost_model(spec, checkpoint)
         self.model = self._new_model(spec, cost_model)
@@ -164,6 +171,7 @@ class DeploymentAutoscaler:
             ):
                 self.ingest()
                 keys = list(self.pods.endpoints.values())
+                self._retire(self.model.streams.keys(), rejected=True)
                 self.model = self._new_model(spec, self.model.cost_model)
                 self.subscriber.streams = self.model.streams
                 for key in keys:
@@ -188,7 +196,22 @@ class DeploymentAutoscaler:
             self._apply(changes)
             return changes
 
+    def pod_mark(self) -> int:
+        """Take before listing the pods; pass to :meth:`resync_pods` with the listing."""
+        with self._lock:
+            return self.pods.mark()
+
+    def resync_pods(self, listed: Iterable[PodView], since: int) -> StreamChanges:
+        """Match a full pod listing: drop pods whose deletion the watch missed."""
+        with self._lock:
+            changes = self.pods.resync(listed, since)
+            self._apply(changes)
+            return changes
+
     def _apply(self, changes: StreamChanges) -> None:
+        if changes.removed:
+            self.ingest()  # count what the leaving streams sent before they go
+            self._retire(changes.removed.values())
         for endpoint, key in changes.removed.items():
             self.subscriber.remove_endpoint(endpoint)
             self.model.remove_stream(key)
@@ -205,6 +228,32 @@ class DeploymentAutoscaler:
                 self.model.ingest(msgs, arrived)
                 n += len(msgs)
         return n
+
+    def _retire(self, keys: Iterable[tuple[str, int]], rejected: bool = False) -> None:
+        """Move the counts of streams about to leave (or of the whole table) to the totals."""
+        for key in keys:
+            state = self.model.streams.get(key)
+            if state is not None:
+                for name in COUNTED_FIELDS:
+                    self._retired[name] += int(getattr(state, name))
+        if rejected:  # the table's rejections are per table, not per stream
+            for reason, count in self.model.streams.rejected.items():
+                self._retired[f"malformed:{reason}"] += int(count)
+
+    def totals(self) -> dict[str, int]:
+        """Messages, passes, lost, restarts, malformed frames by reason (``malformed:REASON``)
+        and dropped batches since this autoscaler started; they never decrease."""
+        with self._lock:
+            totals = Counter(self._retired)
+            streams = self.model.streams
+            for state in (streams.get(k) for k in streams.keys()):  # noqa: SIM118 (a method)
+                if state is not None:
+                    for name in COUNTED_FIELDS:
+                        totals[name] += int(getattr(state, name))
+            for reason, count in self.model.streams.rejected.items():
+                totals[f"malformed:{reason}"] += int(count)
+            totals["dropped_batches"] = self.dropped_batches
+            return {name: int(totals[name]) for name in (*COUNTED_FIELDS, *totals)}
 
     def replica_counts(self, now: float) -> ReplicaCounts:
         """Ready pods, and the start times (on this object's clock) of those still starting."""
@@ -263,6 +312,7 @@ class DeploymentAutoscaler:
                 ready=counts.ready,
                 starting=len(counts.starting_since),
                 ingested_messages=ingested,
+                totals=self.totals(),
             )
 
     def close(self) -> None:

@@ -1,12 +1,15 @@
 """A cost-model snapshot seeded from user-given coefficients (pure).
 
 ``spec.autoscaling.costModel.initialCoefficients`` gives seconds per unit of each
-feature. :func:`prior_snapshot` turns them into the sufficient statistics of a
-small synthetic design (typical batch compositions, exactly on the given
-formula), in the format :meth:`CostModel.from_dict` restores. The model then
-predicts with those coefficients from the first moment, and real passes take
-over as they arrive; it claims no samples, so it is not ``ready`` (and the
-planner does not trust it) before ``minSamples`` real passes.
+coefficient of the roofline (``intercept``, ``decode_requests``, ``compute.tokens``,
+``memory.intercept``, ...; see :mod:`stepscale_operator.cost_model`).
+:func:`prior_snapshot` turns them into the coefficient-space sufficient statistics
+of a small synthetic design (typical batch compositions, exactly on the given
+formula, each on the side of the ``max`` that the formula puts it), in the format
+:meth:`CostModel.from_dict` restores. The model then predicts with those
+coefficients from the first moment, and real passes take over as they arrive; it
+claims no samples, so it is not ``ready`` (and the planner does not trust it)
+before ``minSamples`` real passes.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from stepscale_operator.cost_model import FEATURE_NAMES, FEATURES, SCHEMA, feature_matrix
+from stepscale_operator.cost_model import (
+    COEFFICIENT_NAMES,
+    COEFFICIENTS,
+    SCHEMA,
+    compute_side,
+    regressor_matrix,
+    roofline,
+)
 
 # (prefill requests, prefill tokens, prefill kv, decode requests, mean decode context)
 _DESIGN_AXES = (
@@ -46,25 +56,29 @@ def prior_snapshot(
 ) -> dict[str, Any]:
     """A :meth:`CostModel.to_dict`-shaped snapshot whose fit is ``coefficients``.
 
-    ``coefficients`` maps feature names (``intercept``, ``prefill_tokens``, ...) to
-    seconds per unit; missing ones are 0.
+    ``coefficients`` maps coefficient names (``intercept``, ``compute.tokens``, ...)
+    to seconds per unit; missing ones are 0.
     """
-    coef = np.array([float(coefficients.get(name, 0.0)) for name in FEATURE_NAMES])
-    sched = _design()
-    x = feature_matrix(sched)
-    y = x @ coef
+    coef = np.array([float(coefficients.get(name, 0.0)) for name in COEFFICIENT_NAMES])
+    z = regressor_matrix(_design())
+    y = roofline(z, coef)
     keep = y > 0
-    x, y = x[keep], y[keep]
-    scales = np.array([f.scale for f in FEATURES])
-    xs = x / scales
+    z, y = z[keep], y[keep]
+    # Each pass carries the regressors of the side of the max it is on (ties: compute).
+    memory_rows = ~compute_side(z, coef)
+    pieces = np.array([c.piece for c in COEFFICIENTS])
+    z[np.ix_(memory_rows, pieces == "compute")] = 0.0
+    z[np.ix_(~memory_rows, pieces == "memory")] = 0.0
+    scales = np.array([c.scale for c in COEFFICIENTS])
+    zs = z / scales
     w = 1.0 / np.maximum(y, 1e-9) ** 2  # relative error, as the model weighs samples
-    gram = (xs * w[:, None]).T @ xs
-    xty = xs.T @ (w * y)
+    gram = (zs * w[:, None]).T @ zs
+    xty = zs.T @ (w * y)
     return {
         "schema": SCHEMA,
         "coefficients": [
-            {"name": f.name, "unit": f.coef_unit, "feature_unit": f.unit, "value": float(v)}
-            for f, v in zip(FEATURES, coef, strict=True)
+            {"name": c.name, "unit": c.coef_unit, "feature_unit": c.unit, "value": float(v)}
+            for c, v in zip(COEFFICIENTS, coef, strict=True)
         ],
         "samples": 0,
         "config": {

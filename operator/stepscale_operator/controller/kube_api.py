@@ -1,15 +1,17 @@
 """The few Kubernetes API calls the controller makes (the ``kubernetes`` client).
 
 Kopf itself watches ``VllmDeployment`` objects and pods, patches their status
-and posts events; this module only reads and applies the child objects:
+and posts events; this module only reads and applies the child objects and
+lists pods:
 
 * apply (server-side apply, field manager ``stepscale-operator``, forced) a
   Deployment or Service; when the object does not exist and the server does
   not create it on apply (an emulator), create it;
-* read a Deployment.
+* read a Deployment;
+* list the pods of one ``VllmDeployment`` (to notice deletions a watch missed).
 
-Exactly these verbs are what the chart's ClusterRole grants on
-``deployments`` and ``services``: get, create, patch.
+:data:`CLIENT_CALLS` lists exactly these; :mod:`.permissions` adds what kopf
+needs, and the chart's ClusterRole grants that and nothing else.
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ from kubernetes.client.exceptions import ApiException
 from stepscale_operator.controller.children import FIELD_MANAGER
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+
+# (API group, resource, verb) of every call below.
+CLIENT_CALLS: frozenset[tuple[str, str, str]] = frozenset(
+    {
+        ("apps", "deployments", "get"),
+        ("apps", "deployments", "create"),
+        ("apps", "deployments", "patch"),
+        ("", "services", "create"),
+        ("", "services", "patch"),
+        ("", "pods", "list"),
+    }
+)
 
 
 def api_client_from_environment(host: str | None = None) -> client.ApiClient:
@@ -87,6 +101,14 @@ class KubernetesApi:
                 return None
             raise
         return _json(response)
+
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """The pods of ``namespace`` that match ``label_selector``."""
+        response = self.core.list_namespaced_pod(
+            namespace, label_selector=label_selector, _preload_content=False
+        )
+        items = _json(response).get("items")
+        return [item for item in items or [] if isinstance(item, dict)]
 
     def close(self) -> None:
         """Release the client's connection pool."""

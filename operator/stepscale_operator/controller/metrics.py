@@ -71,14 +71,16 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "stepscale_predicted_ttft_seconds",
         "gauge",
-        "Predicted time to first token at the planning quantile, at current or desired replicas",
-        (*D, "replicas"),
+        "Predicted time to first token at the planning quantile, at the current or the "
+        "desired replica count (label at)",
+        (*D, "at"),
     ),
     MetricSpec(
         "stepscale_predicted_itl_seconds",
         "gauge",
-        "Predicted inter-token latency at the planning quantile, at current or desired replicas",
-        (*D, "replicas"),
+        "Predicted inter-token latency at the planning quantile, at the current or the "
+        "desired replica count (label at)",
+        (*D, "at"),
     ),
     MetricSpec(
         "stepscale_replicas", "gauge", "Replicas by state (ready, current, desired)", (*D, "state")
@@ -92,7 +94,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "stepscale_decision_duration_seconds",
         "histogram",
-        "Time to ingest, estimate and decide once",
+        "Time of one decision round up to the decision: reading the child Deployment "
+        "(re-creating it if it was deleted), ingesting the queued FPM messages, estimating "
+        "the load and planning; applying the replica count and writing status are not included",
         D,
         (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
     ),
@@ -150,9 +154,25 @@ class OperatorMetrics:
         assert isinstance(metric, Histogram)
         return metric
 
-    def forget(self, deployment: str) -> None:
-        """Remove every series of ``deployment`` (it was deleted)."""
+    def set_gauge(self, name: str, labels: tuple[str, ...], value: float | None) -> None:
+        """Set a gauge series, or remove it when ``value`` is None (no stale values)."""
+        gauge = self.gauge(name)
+        if value is None:
+            gauge.remove(*labels)
+        else:
+            gauge.labels(*labels).set(value)
+
+    def series(self, name: str, deployment: str) -> list[dict[str, str]]:
+        """Label sets of the series of ``name`` that belong to ``deployment``."""
+        metric = self._by_name[name]
+        return [s for s in _series_labels(metric) if s.get("deployment") == deployment]
+
+    def forget(self, deployment: str, *, counters: bool = True) -> None:
+        """Remove the series of ``deployment``: all of them (it was deleted), or all but the
+        counters (it is no longer observed here, but what was counted stays true)."""
         for spec in METRICS:
+            if spec.kind == "counter" and not counters:
+                continue
             metric = self._by_name[spec.name]
             for labels in list(_series_labels(metric)):
                 if labels.get("deployment") == deployment:

@@ -11,11 +11,12 @@ message that says what to fix instead of crashing the operator.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepscale_operator.cost_model import FEATURE_NAMES
+from stepscale_operator.cost_model import COEFFICIENT_NAMES
 
 GROUP = "stepscale.io"
 VERSION = "v1alpha1"
@@ -28,10 +29,11 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 RESERVED_ENV_PREFIX = "STEPSCALE_FPM_"
 DEFAULT_FPM_BASE_PORT = 20380
 MAX_DATA_PARALLEL = 64
-# spec.autoscaling.initialCoefficients keys (camelCase) -> cost model feature names.
+# spec.autoscaling.initialCoefficients keys (camelCase) -> cost model coefficient names
+# (decode_requests -> decodeRequests, compute.tokens -> computeTokens).
 COEFFICIENT_FIELDS: dict[str, str] = {
-    "".join(w if i == 0 else w.capitalize() for i, w in enumerate(name.split("_"))): name
-    for name in FEATURE_NAMES
+    "".join(w if i == 0 else w.capitalize() for i, w in enumerate(re.split(r"[._]", name))): name
+    for name in COEFFICIENT_NAMES
 }
 
 # Messages shared with the CRD's x-kubernetes-validations (keep them identical).
@@ -52,6 +54,13 @@ MSG_SEQS_TOKENS = (
     "engine.maxNumSeqs must be <= engine.maxNumBatchedTokens (vLLM refuses it otherwise): "
     "raise maxNumBatchedTokens or lower maxNumSeqs"
 )
+# A Kubernetes resource quantity (500m, 4, 16Gi, 1e3), the same pattern as the CRD's
+# resources.cpu/memory (no backslashes: it reads the same in Go's RE2 and in Python).
+QUANTITY_PATTERN = (
+    "^([0-9]+([.][0-9]*)?|[.][0-9]+)"
+    "([KMGTPE]i|[numkMGTPE]|[eE][+-]?([0-9]+([.][0-9]*)?|[.][0-9]+))?$"
+)
+_QUANTITY = re.compile(QUANTITY_PATTERN)
 MSG_RESERVED_ENV = (
     "env must not set STEPSCALE_FPM_* variables: the operator sets them from fpm and the pod name"
 )
@@ -80,7 +89,7 @@ class CostModelSpec:
     half_life_passes: float = 20000.0
     warmup_passes: int = 20
     min_samples: int = 200
-    initial_coefficients: dict[str, float] | None = None  # feature name -> seconds per unit
+    initial_coefficients: dict[str, float] | None = None  # coefficient name -> s per unit
 
 
 @dataclass(frozen=True)
@@ -346,8 +355,8 @@ def parse_spec(raw: Mapping[str, Any] | None) -> VllmDeploymentSpec:
     res = r.section(raw, "resources", p)
     resources = ResourcesSpec(
         gpus=r.integer(res, "gpus", f"{p}.resources", 1, 0),
-        cpu=r.string(res, "cpu", f"{p}.resources"),
-        memory=r.string(res, "memory", f"{p}.resources"),
+        cpu=_quantity(r, res, "cpu", f"{p}.resources"),
+        memory=_quantity(r, res, "memory", f"{p}.resources"),
     )
 
     pt = r.section(raw, "podTemplate", p)
@@ -390,6 +399,18 @@ def parse_spec(raw: Mapping[str, Any] | None) -> VllmDeploymentSpec:
     if problems:
         raise SpecError(problems)
     return spec
+
+
+def _quantity(r: _Reader, raw: Mapping[str, Any], key: str, path: str) -> str | None:
+    """A Kubernetes quantity string, or None (absent or invalid, reported)."""
+    value = r.string(raw, key, path)
+    if value is not None and not _QUANTITY.match(value):
+        r.problems.append(
+            f"{path}.{key}: {value!r} is not a Kubernetes quantity; "
+            "write it like 500m, 4, 16Gi or 64G"
+        )
+        return None
+    return value
 
 
 def _parse_autoscaling(r: _Reader, raw: Mapping[str, Any], p: str) -> AutoscalingSpec:
@@ -469,4 +490,10 @@ def cross_field_problems(spec: VllmDeploymentSpec) -> list[str]:
     unnamed = [i for i, e in enumerate(spec.env) if not isinstance(e.get("name"), str)]
     if unnamed:
         problems.append(f"spec.env[{unnamed[0]}].name: is required")
+    names = [str(e["name"]) for e in spec.env if isinstance(e.get("name"), str)]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        problems.append(
+            f"spec.env: {', '.join(duplicates)} set more than once; keep one entry per name"
+        )
     return problems

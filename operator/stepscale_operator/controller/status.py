@@ -1,7 +1,7 @@
 """The ``VllmDeployment`` status, built from the core's state (pure).
 
 Every field written here is declared in the CRD's status schema (a real API
-server prunes undeclared fields; ``tests/operator/test_crd.py`` checks that
+server prunes undeclared fields; ``tests/operator/test_status_and_crd.py`` checks that
 nothing would be pruned). The result is a JSON merge patch: ``None`` inside an
 object clears a field that no longer applies (e.g. predictions while holding on
 missing data); list items never hold ``None``.
@@ -142,6 +142,12 @@ _LOAD_FIELDS = {
     "prefill_tokens_per_s_trend": "prefillTokensPerSecondTrend",
     "decode_tokens_per_s_trend": "decodeTokensPerSecondTrend",
     "busy_fraction": "busyFraction",
+    "queued_prefill_requests_mean": "queuedPrefillRequestsMean",
+    "queued_prefill_tokens_mean": "queuedPrefillTokensMean",
+    "queued_decode_requests_mean": "queuedDecodeRequestsMean",
+    "queued_prefill_tokens_trend": "queuedPrefillTokensTrend",
+    "queued_decode_requests_trend": "queuedDecodeRequestsTrend",
+    "missing_streams": "missingStreams",
 }
 
 
@@ -154,10 +160,10 @@ def load_status(load: LoadEstimate | None) -> dict[str, Any] | None:
         name = _LOAD_FIELDS.get(key)
         if name is None:
             continue
-        if isinstance(value, bool | int):
+        if isinstance(value, bool | int | list):
             out[name] = value
         else:
-            out[name] = finite(value, 3)
+            out[name] = finite(value, 3)  # None stays None: not measurable, not zero
     return out
 
 

@@ -1,0 +1,183 @@
+"""What a decision round reports besides status: events, metrics, monotonic totals (no API)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from stepscale_engine import wire
+from stepscale_engine.publisher import FpmPublisher
+from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
+from stepscale_operator.controller.discovery import PodView
+from stepscale_operator.controller.metrics import OperatorMetrics
+from stepscale_operator.controller.rounds import EventGate, observe_metrics, scaling_event
+from stepscale_operator.controller.spec import parse_spec
+from stepscale_operator.planner import Decision
+
+DEPLOYMENT = "ns/chat"
+
+
+def decision(action: str, current: int, desired: int, apply: bool) -> Decision:
+    return Decision(
+        time=0.0,
+        desired_replicas=desired,
+        current_replicas=current,
+        action=action,
+        apply=apply,
+        reason=f"{action} because",
+        confidence=1.0,
+        predicted_current=None,
+        predicted_desired=None,
+    )
+
+
+def test_event_reasons() -> None:
+    assert scaling_event(decision("hold", 2, 2, False), applied=False) is None
+    up = scaling_event(decision("scale_up", 1, 3, True), applied=True)
+    assert up is not None and (up.type, up.reason) == ("Normal", "ScaledUp")
+    assert up.message == "1 -> 3: scale_up because"
+    failed = scaling_event(decision("scale_down", 3, 2, True), applied=False)
+    assert failed is not None and (failed.type, failed.reason) == ("Warning", "ScaleFailed")
+    advice = scaling_event(decision("scale_down", 3, 2, False), applied=False)
+    assert advice is not None and advice.reason == "AdviseDown"
+
+
+def test_advice_is_posted_when_it_changes_not_every_round() -> None:
+    gate = EventGate()
+    key = ("ns", "chat")
+    posted = []
+    for current, desired in [(1, 2), (1, 2), (1, 2), (1, 3), (1, 3), (1, 1), (1, 2)]:
+        action = "hold" if desired == current else "scale_up"
+        d = decision(action, current, desired, apply=False)
+        event = scaling_event(d, applied=False)
+        if gate.admit(key, d, event):
+            assert event is not None
+            posted.append((event.reason, desired))
+    assert posted == [("AdviseUp", 2), ("AdviseUp", 3), ("AdviseUp", 2)]
+    # Applied scalings are always posted; a repeated failure once.
+    applied = decision("scale_up", 1, 2, apply=True)
+    assert gate.admit(key, applied, scaling_event(applied, applied=True))
+    assert gate.admit(key, applied, scaling_event(applied, applied=True))
+    assert gate.admit(key, applied, scaling_event(applied, applied=False))
+    assert not gate.admit(key, applied, scaling_event(applied, applied=False))
+
+
+def status(mape: float | None, ttft_ms: float | None, coef: float | None) -> dict[str, Any]:
+    return {
+        "replicas": 2,
+        "desiredReplicas": 2,
+        "streams": {"connected": 2, "stale": 0},
+        "costModel": {
+            "ready": mape is not None,
+            "samples": 500,
+            "mape": mape,
+            "r2": None if mape is None else 0.99,
+            "coefficients": [
+                {"name": "intercept", "unit": "s/pass", "value": coef},
+                {"name": "decode_requests", "unit": "s/request", "value": 0.0003},
+            ],
+        },
+        "load": {"decodeTokensPerSecond": 100.0, "prefillTokensPerSecond": None},
+        "predictions": {"current": {"ttftMs": ttft_ms, "itlMs": 8.0}, "desired": None},
+    }
+
+
+def value(metrics: OperatorMetrics, name: str, **labels: str) -> float | None:
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == name and sample.labels == {"deployment": DEPLOYMENT, **labels}:
+                return float(sample.value)
+    return None
+
+
+def test_gauges_lose_their_series_when_the_value_goes() -> None:
+    metrics = OperatorMetrics()
+    previous: dict[str, int] = {}
+    kwargs: dict[str, Any] = {"totals": {}, "previous": previous, "endpoints": 2, "ready": 2}
+    observe_metrics(metrics, DEPLOYMENT, status=status(0.03, 120.0, 0.004), **kwargs)
+    assert value(metrics, "stepscale_cost_model_mape_ratio") == pytest.approx(0.03)
+    assert value(metrics, "stepscale_predicted_ttft_seconds", at="current") == pytest.approx(0.12)
+    assert value(metrics, "stepscale_predicted_itl_seconds", at="current") == pytest.approx(0.008)
+    assert value(
+        metrics, "stepscale_cost_model_coefficient_seconds", coefficient="intercept", per="pass"
+    ) == pytest.approx(0.004)
+    # The model is reset / overloaded / no prediction: no stale values remain.
+    observe_metrics(metrics, DEPLOYMENT, status=status(None, None, None), **kwargs)
+    assert value(metrics, "stepscale_cost_model_mape_ratio") is None
+    assert value(metrics, "stepscale_cost_model_r2_ratio") is None
+    assert value(metrics, "stepscale_predicted_ttft_seconds", at="current") is None
+    assert value(metrics, "stepscale_predicted_itl_seconds", at="desired") is None
+    assert value(metrics, "stepscale_load_tokens_per_second", kind="prefill") is None
+    assert (
+        value(
+            metrics,
+            "stepscale_cost_model_coefficient_seconds",
+            coefficient="intercept",
+            per="pass",
+        )
+        is None
+    )
+    assert value(
+        metrics,
+        "stepscale_cost_model_coefficient_seconds",
+        coefficient="decode_requests",
+        per="request",
+    ) == pytest.approx(0.0003)
+
+
+def test_counters_follow_totals() -> None:
+    metrics = OperatorMetrics()
+    previous: dict[str, int] = {}
+    st = status(0.03, 120.0, 0.004)
+    for totals in (
+        {"passes": 10, "messages": 12, "malformed:not_msgpack": 1},
+        {"passes": 25, "messages": 30, "malformed:not_msgpack": 3},
+    ):
+        observe_metrics(
+            metrics, DEPLOYMENT, totals=totals, previous=previous, status=st, endpoints=1, ready=1
+        )
+    assert value(metrics, "stepscale_fpm_passes_total") == 25
+    assert value(metrics, "stepscale_fpm_messages_total") == 30
+    assert value(metrics, "stepscale_fpm_malformed_total", reason="not_msgpack") == 3
+
+
+def test_totals_keep_what_a_forgotten_stream_sent() -> None:
+    """A pod goes away in the same round as others publish: no increment is lost."""
+    spec = parse_spec({"model": "m", "image": "i", "fpm": {"basePort": 20380}})
+    autoscaler = DeploymentAutoscaler("ns/chat", spec)
+    publishers = {
+        name: FpmPublisher(f"tcp://{ip}:20380", name, 0).start()
+        for name, ip in (("a", "127.0.0.41"), ("b", "127.0.0.42"))
+    }
+    try:
+        for name, ip in (("a", "127.0.0.41"), ("b", "127.0.0.42")):
+            autoscaler.observe_pod(PodView(name, ip, True, False, None))
+
+        def publish_until(seen: int) -> int:
+            deadline = time.monotonic() + 20.0  # bounds a broken test only
+            while time.monotonic() < deadline:
+                for publisher in publishers.values():
+                    publisher.publish(
+                        0.005,
+                        wire.ScheduledRequestMetrics(num_decode_requests=1),
+                        wire.QueuedRequestMetrics(),
+                    )
+                time.sleep(0.02)
+                autoscaler.ingest()
+                passes = autoscaler.totals()["passes"]
+                if passes >= seen:
+                    return passes
+            pytest.fail("no passes arrived")
+
+        before = publish_until(20)
+        autoscaler.forget_pod("b")
+        after_forget = autoscaler.totals()["passes"]
+        assert after_forget >= before  # b's passes stay counted
+        assert autoscaler.decide().stream_health["streams"] == 1
+        assert publish_until(after_forget + 5) > after_forget  # a still counts up
+    finally:
+        autoscaler.close()
+        for publisher in publishers.values():
+            publisher.close()
