@@ -117,7 +117,7 @@ def _judge_scenario(
             ratio <= ORACLE_RATIO_LIMIT,
         )
     for name in ("hpa", "dynamo"):
-        criterion = f"fewer GPU-hours than {name} at equal or better attainment"
+        criterion = f"no {name} setting attains as much as ours with fewer GPU-hours"
         family = [r for p, r in runs.items() if p == name or p.startswith(name + "@")]
         if not family:
             add(criterion, f"{name} did not run", None)

@@ -2,10 +2,11 @@
 
 Every stream keeps a ring of per-``bucket_s`` sums (bounded memory whatever the
 message rate); :meth:`LoadEstimator.estimate` sums the buckets inside the window.
-Rates are per wall-clock second: a stream's sums are divided by the time it was
-observed within the window (``min(window_s, now - first_seen)``), then summed
-over fresh streams. Stale or never-seen streams are reported as missing (and
-named), never as zero load; with no fresh stream at all the estimate's values are
+Rates are per wall-clock second: the fresh streams' sums over the window, divided
+by the time the fleet was observed within it (``min(window_s, now - first_seen)``
+of its oldest stream), so a pod that joins adds what it serves without being
+counted at its own short-window rate. Stale or never-seen streams are reported as
+missing (and named), never as zero load; with no fresh stream at all the estimate's values are
 unavailable (null in :meth:`LoadEstimate.to_dict`). Heartbeats count as liveness
 only. Implausible passes (:func:`~stepscale_operator.load_types.implausible_passes`,
 or far beyond their stream's token budget) count as liveness only too, and are
@@ -35,7 +36,9 @@ per-request data), documented here because the planner relies on them:
   (``queued_*_mean``: each value holds until the stream's next message, at most
   ``stale_after_s``); a heartbeat (idle engine) means an empty queue.
 * Trends. Least-squares slope over ``trend_subwindows`` equal parts of the window,
-  of the token rates and of the mean queues.
+  of the token rates and of the mean queues; and the end-to-end change of the
+  queued prefill tokens (oldest part's mean to now), which with the served rate
+  gives the arrivals by mass balance.
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ _TREND_FIELDS = frozenset(
         "decode_tokens_per_s_trend",
         "queued_prefill_tokens_trend",
         "queued_decode_requests_trend",
+        "queued_prefill_tokens_change_per_s",
     }
 )
 
@@ -399,8 +403,13 @@ class LoadEstimator:
         window_start = max(now - self.window_s, oldest * self.bucket_s)
         span = np.maximum(now - np.maximum(self._first_seen[fresh], window_start), self.bucket_s)
         per_stream = sums.sum(axis=1) + partial  # (f, cols)
-        rates = (per_stream / span[:, None]).sum(axis=0)  # zeros when nothing is fresh
         totals = per_stream.sum(axis=0)
+        # Fleet rates: everything served over the time the fleet was observed. Not
+        # the sum of per-stream rates: a pod that joined 10 s ago would count at its
+        # rate now on top of the others' 30 s averages (which still hold the load it
+        # took over), overstating the load after every scale-up.
+        fleet_span = float(span.max()) if fresh.size else self.bucket_s
+        rates = totals / fleet_span  # zeros when nothing is fresh
 
         unavailable = set() if fresh.size else set(_NEEDS_FRESH)
         prefill = float(rates[_PREFILL_TOKENS])
@@ -417,11 +426,12 @@ class LoadEstimator:
         ):
             if value is None:
                 unavailable.add(name)
-        trends = self._trends(ids, in_window, sums, partial.sum(axis=0), now, bucket)
-        if trends is None:
-            unavailable |= _TREND_FIELDS
-            trends = np.zeros(len(_TREND_COLS))
         queued = self._queued[fresh].sum(axis=0)
+        found = self._trends(ids, in_window, sums, partial.sum(axis=0), now, bucket, queued[1])
+        if found is None:
+            unavailable |= _TREND_FIELDS
+            found = (np.zeros(len(_TREND_COLS)), 0.0)
+        trends, prefill_queue_change = found
         return LoadEstimate(
             window_s=self.window_s,
             streams_total=len(keys),
@@ -443,6 +453,7 @@ class LoadEstimator:
             queued_prefill_tokens_mean=float(rates[_QS_PREFILL_TOKENS]),
             queued_decode_requests_mean=float(rates[_QS_DECODE_REQS]),
             queued_prefill_tokens_trend=float(trends[2]),
+            queued_prefill_tokens_change_per_s=prefill_queue_change,
             queued_decode_requests_trend=float(trends[3]),
             missing_streams=missing,
             unavailable=frozenset(unavailable),
@@ -456,11 +467,13 @@ class LoadEstimator:
         partial: FloatArray,
         now: float,
         bucket: int,
-    ) -> FloatArray | None:
-        """Least-squares slope of the :data:`_TREND_COLS` fleet rates over equal sub-windows.
+        latest_prefill_queue: float,
+    ) -> tuple[FloatArray, float] | None:
+        """Least-squares slopes of the :data:`_TREND_COLS` fleet rates over equal
+        sub-windows, and the end-to-end change of the queued prefill tokens.
 
         Per second (tokens/s per second for rates, queue units per second for the
-        mean queues); None when fewer than two sub-windows have data.
+        mean queues and the change); None when fewer than two sub-windows have data.
         """
         if ids.size == 0:
             return None
@@ -487,10 +500,16 @@ class LoadEstimator:
             values.append(picked / duration)
         if len(centers) < 2:
             return None
+        # End to end: from the oldest sub-window's mean queue to the queue now (the
+        # mass balance arrivals = served + queue change needs the actual change,
+        # which a slope through a queue that rose and fell understates).
+        oldest_queue = float(values[-1][_TREND_COLS.index(_QS_PREFILL_TOKENS)])
+        change = (latest_prefill_queue - oldest_queue) / (now - centers[-1])
         t = np.asarray(centers)
         t = t - t.mean()
         v = np.asarray(values)  # (subs, cols)
-        return np.asarray((t[:, None] * (v - v.mean(axis=0))).sum(axis=0) / float((t * t).sum()))
+        slopes = (t[:, None] * (v - v.mean(axis=0))).sum(axis=0) / float((t * t).sum())
+        return np.asarray(slopes), change
 
 
 def _ratio(num: float, den: float) -> float | None:

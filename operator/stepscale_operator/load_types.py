@@ -55,6 +55,9 @@ class LoadEstimate:
     queued_decode_requests_mean: float = 0.0
     queued_prefill_tokens_trend: float = 0.0  # d(mean queue)/dt, tokens per second
     queued_decode_requests_trend: float = 0.0  # requests per second
+    # Queued prefill tokens now minus at the window's start, per second: with the
+    # served rate, the arrivals (arrivals = served + this, over the same window).
+    queued_prefill_tokens_change_per_s: float = 0.0
     missing_streams: tuple[str, ...] = ()  # ``worker_id/dp_rank`` of stale or silent streams
     unavailable: frozenset[str] = field(default_factory=frozenset)  # fields with no data
 

@@ -2,9 +2,8 @@
 
 Pure and deterministic, no I/O. The only state a :class:`Planner` keeps is the
 history of its own recommendations and needs (for the stabilization window and
-burst memory), the last queue size (for the backlog growth) and recent forecast
-ratios (for trend persistence); the same sequence of ``decide`` calls always
-gives the same decisions.
+burst memory) and recent forecast ratios (for trend persistence); the same
+sequence of ``decide`` calls always gives the same decisions.
 
 Capacity model (per replica, load spread evenly by the router):
 
@@ -19,9 +18,13 @@ Capacity model (per replica, load spread evenly by the router):
   ``r * n_c * (f_p - f_d)`` and ``s = f_d / (1 - that share)``.
 * ITL is the mean step time, with a tail for short requests that happen to share
   many steps with prefills (binomial count of prefill steps over ``k`` tokens).
-* TTFT is the prefill service time plus queueing for the prefill "server"
-  (M/G/1 mean wait, Kingman-style exponential tail for the quantile) plus the
-  residual of the step in progress.
+* TTFT is the prefill service time plus queueing for the prefill "server" plus
+  the residual of the step in progress. The queue is G/G/1 per replica
+  (Kingman's mean wait, exponential tail for the quantile): behind a balancing
+  router (``balanced_routing``: least outstanding requests, round robin) each
+  replica's arrivals are far more regular than Poisson, interarrival CV^2 about
+  1/replicas. Taking them as Poisson (M/G/1) over-predicted the simulated mean
+  TTFT by 25-40% at 8-10 replicas on the Azure trace; with it, 2-6%.
 
 The target is the smallest replica count whose predicted TTFT and ITL (at the
 planning quantile) are within the SLO less a margin (grown by the model's error),
@@ -29,8 +32,10 @@ for the load expected one pod start-up ahead. On top of that:
 
 * Backlog: the load estimate measures *served* work. Once the queued prefill
   tokens exceed a share of the TTFT budget per replica, the fleet is behind: the
-  demand is the served load plus the queue's growth, and the replicas that drain
-  the queue within one start-up time are added.
+  demand is the served load plus the queue's growth over the same window (less
+  its shrinking while a backlog drains, when the served rate overstates the
+  arrivals and its rise is not extrapolated), and the replicas that drain the
+  queue within one start-up time are added.
 * Look-ahead: the trend raises the planned load only as far as it persisted over
   the last few decisions (a noisy one-window trend is ignored), capped.
 * Bursts: a need that jumps by ``burst_ratio`` within one start-up horizon rose
@@ -121,7 +126,8 @@ class PlannerPolicy:
     max_load_age_s: float = 30.0  # older load estimates are stale
     lookahead_extra_s: float = 10.0  # added to the pod start-up time (one decision period)
     # A trend measured over a short window is noisy: use half of it, let it raise
-    # the planned load by at most 30%, and only as far as it persisted.
+    # the planned load by at most 30%, and only as far as it persisted. (15% saves
+    # ~10% GPU-hours on the Azure trace but misses diurnal ramps: 92% attainment.)
     trend_weight: float = 0.5
     max_forecast_ratio: float = 1.3
     trend_persistence_s: float = 15.0  # a rise counts as far as it held this long
@@ -132,6 +138,11 @@ class PlannerPolicy:
     latency_quantile: float = 0.99  # TTFT/ITL are planned at this quantile
     prompt_tail_ratio: float = 3.5  # the quantile prompt is this many times the mean
     service_cv2: float = 1.0  # squared coefficient of variation of prefill service time
+    # A router that balances requests (least outstanding, round robin) splits the
+    # fleet's Poisson arrivals into per-replica streams with interarrival CV^2 of
+    # about 1/replicas (exactly, for round robin: Erlang-n gaps); a random spread
+    # (kube-proxy) leaves each replica Poisson (CV^2 = 1).
+    balanced_routing: bool = True
     # The ITL tail is set by short requests: plan for one with this share of the
     # mean output length (calibrated on simulated Azure-like traffic).
     itl_tail_output_fraction: float = 0.14
@@ -347,12 +358,13 @@ def predict_latency(
     itl_mean = step
     itl_q = step + z * spread
 
-    # TTFT: M/G/1 on the prefill server, Kingman-style exponential tail.
+    # TTFT: G/G/1 on the prefill server (Kingman), exponential tail for the quantile.
     service = chunks * f_p
     rho = rate * service
     if rho >= 1.0:
         return _overloaded(replicas, "prefill_queue", step, batch)
-    wait_mean = rho * service * (1.0 + policy.service_cv2) / (2.0 * (1.0 - rho))
+    arrival_cv2 = 1.0 / max(replicas, 1) if policy.balanced_routing else 1.0
+    wait_mean = rho * service * (arrival_cv2 + policy.service_cv2) / (2.0 * (1.0 - rho))
     wait_q = 0.0
     if rho > q_tail:
         wait_q = (wait_mean / rho) * math.log(rho / q_tail)
@@ -486,7 +498,6 @@ class Planner:
         self._history: list[_Recommendation] = []
         self._first_decision_time: float | None = None
         self._needs: list[_Recommendation] = []  # need on the measured demand, for bursts
-        self._last_queue: tuple[float, float] | None = None  # (time, queued prefill tokens)
         self._last_burst: float | None = None
         self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
 
@@ -538,8 +549,16 @@ class Planner:
         )
         horizon = inputs.pod_startup_s + policy.lookahead_extra_s
         measured_raw = inputs.load
-        demand_ratio, backlog_replicas = self._backlog(inputs, now, record)
+        demand_ratio, backlog_replicas = self._backlog(inputs, record)
         measured = with_demand(measured_raw, demand_ratio)
+        if demand_ratio < 1.0:
+            # Draining a backlog: the served rate rises as the queue empties, and
+            # that rise is the drain, not arrivals; it must not be extrapolated.
+            measured = replace(
+                measured,
+                prefill_tokens_per_s_trend=min(measured.prefill_tokens_per_s_trend, 0.0),
+                decode_tokens_per_s_trend=min(measured.decode_tokens_per_s_trend, 0.0),
+            )
         planned = self._persistent_forecast(measured, horizon, now, record)
         record["planned_load"] = planned.to_dict()
         record["effective_margin"] = margin
@@ -713,31 +732,29 @@ class Planner:
             return ahead
         return with_demand(measured, max(held, floor))
 
-    def _backlog(
-        self, inputs: PlannerInputs, now: float, record: dict[str, object]
-    ) -> tuple[float, int]:
-        """Demand ratio (served + queue growth over served) and replicas to drain the queue."""
+    def _backlog(self, inputs: PlannerInputs, record: dict[str, object]) -> tuple[float, int]:
+        """Demand ratio (arrivals over served) and replicas to drain the queue.
+
+        Mass balance over the load estimate's window: arrivals = served + the
+        queue's growth, both measured over the same window (the estimator's queue
+        trend). A growing queue means the fleet is behind; a shrinking one means it
+        is draining a backlog, and then it serves more than arrives.
+        """
         policy = self.policy
         load = inputs.load
         assert load is not None
         queued = max(load.queued_prefill_tokens, 0.0)
-        growth = 0.0
-        before = 0.0
-        if self._last_queue is not None:
-            then, before = self._last_queue
-            if 0.0 < now - then <= 2.0 * policy.max_load_age_s:
-                growth = (queued - before) / (now - then)
-        self._last_queue = (now, queued)
+        recent = max(queued, load.queued_prefill_tokens_mean)
+        growth = load.queued_prefill_tokens_change_per_s
         served = max(load.prefill_tokens_per_s, 0.0)
         per_replica = prefill_tokens_per_s(inputs.predictor, inputs.engine)
         ready = max(inputs.replicas.ready, 1)
         trigger = policy.backlog_trigger * inputs.slo.ttft_ms / 1e3 * per_replica * ready
         ratio = 1.0
         extra = 0
-        # Only a queue past the trigger means the fleet is behind; below it, queue
-        # changes are the noise of normal batching. Behind, the arrivals are what
-        # is served plus the queue's growth, or less its shrinking while it drains.
-        if max(queued, before) > trigger and served > 0.0:
+        # Only a queue past the trigger means the fleet is or was behind; below it,
+        # queue changes are the noise of normal batching.
+        if recent > trigger and served > 0.0:
             ratio = (served + growth) / served
             ratio = min(max(ratio, 1.0 / policy.max_demand_ratio), policy.max_demand_ratio)
         if queued > trigger:

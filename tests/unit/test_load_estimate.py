@@ -238,6 +238,35 @@ def test_queue_mean_over_the_window_and_queue_trends() -> None:
     assert load.decode_tokens_per_s_trend == pytest.approx(0.0, abs=1.0)  # steady passes
 
 
+def test_a_pod_that_joins_adds_what_it_serves_not_its_short_window_rate() -> None:
+    # "a" served 200 tokens/s alone for 20 s; then "b" joined and each served 100
+    # tokens/s for the last 10 s. The fleet served 6000 tokens over the 30 s
+    # window: 200/s, not a's 30 s average (167) plus b's 10 s rate (100).
+    est = LoadEstimator(window_s=30.0)
+    feed(est, 20, 20, DECODE, worker="a")
+    feed(est, 10, 10, DECODE, worker="a", start=20.0)
+    feed(est, 10, 10, DECODE, worker="b", start=20.0)
+    load = est.estimate(30.0)
+    assert load.decode_tokens_per_s == pytest.approx(200.0, rel=0.05)
+
+
+def test_queue_change_over_the_window_gives_arrivals_by_mass_balance() -> None:
+    # The queue rose to 20,000 tokens and drained back to 2,000 within the window:
+    # a least-squares slope understates that drop; the end-to-end change does not.
+    est = LoadEstimator(window_s=30.0)
+    for step in range(300):
+        t = step * 0.1
+        level = 20_000 * t / 15.0 if t < 15.0 else 20_000 - 18_000 * (t - 15.0) / 15.0
+        q = QueuedRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=int(level))
+        est.observe(_msg(step, DECODE, queued=q), t)
+    load = est.estimate(30.0)
+    # From the oldest sub-window's mean (3,300-4,700 tokens, over the window's
+    # first 5 s) to 2,100 now, over ~27 s.
+    change = load.queued_prefill_tokens_change_per_s
+    assert (2_100 - 4_700) / 27.0 <= change <= (2_100 - 3_300) / 27.0
+    assert load.queued_prefill_tokens_trend > change  # the slope misses the drop
+
+
 def test_queue_mean_smooths_a_burst_that_has_drained() -> None:
     est = LoadEstimator(window_s=30.0)
     q = QueuedRequestMetrics(num_prefill_requests=100, sum_prefill_tokens=10_000)

@@ -359,12 +359,34 @@ def test_queued_backlog_scales_up_beyond_the_served_load() -> None:
     assert backlog.action == "scale_up" and backlog.desired_replicas >= base + extra
     assert "backlog" in backlog.reason
     # A growing queue means arrivals exceed what is served: size for both.
-    planner = Planner()
-    planner.decide(inputs_for(load_of(40.0, queued=20.0), base, now=0.0), now=0.0)
-    growing = planner.decide(inputs_for(load_of(40.0, queued=120.0), base, now=5.0), now=5.0)
+    # (The estimator's queue trend: 20 prompts of 1000 tokens more each second.)
+    growing_load = replace(load_of(40.0, queued=120.0), queued_prefill_tokens_change_per_s=20_000.0)
+    growing = Planner().decide(inputs_for(growing_load, base, now=0.0), now=0.0)
     ratio = growing.inputs["demand_ratio"]
     assert isinstance(ratio, float) and ratio == pytest.approx(1.5)  # 20 req/s more
     assert growing.desired_replicas >= needed_for(load_of(60.0))
+
+
+def test_a_draining_backlog_is_not_mistaken_for_more_demand() -> None:
+    # After a burst, new replicas drain the queue: the fleet serves 60 req/s of
+    # prompts while only 40 arrive and the queue shrinks by 20 a second, and the
+    # served rate is rising. The demand is the 40 that arrive; nothing is
+    # extrapolated from the drain's rising rate.
+    base = needed_for(load_of(40.0))
+    draining = replace(
+        load_of(60.0, queued=150.0, trend=2.0), queued_prefill_tokens_change_per_s=-20_000.0
+    )
+    decision = Planner().decide(inputs_for(draining, base, now=0.0), now=0.0)
+    ratio = decision.inputs["demand_ratio"]
+    assert isinstance(ratio, float) and ratio == pytest.approx(40.0 / 60.0)
+    planned = decision.inputs["planned_load"]
+    assert isinstance(planned, dict)
+    assert planned["prefill_tokens_per_s_trend"] <= 0.0
+    extra = decision.inputs["backlog_replicas"]
+    assert isinstance(extra, int)
+    # Sized for the arrivals (plus what drains the queue), not for the served 60.
+    assert decision.desired_replicas <= base + extra
+    assert decision.desired_replicas < needed_for(load_of(60.0, trend=2.0)) + extra
 
 
 def test_a_burst_faster_than_startup_keeps_its_peak_for_the_burst_memory() -> None:
@@ -535,3 +557,27 @@ def test_ttft_rises_steeply_as_prefill_utilisation_nears_one() -> None:
     # Past capacity the prediction is infeasible, named by the prefill bottleneck.
     over = preds[len(feasible) :]
     assert over and all(p.bottleneck in ("prefill_queue", "prefill_compute") for p in over)
+
+
+def test_a_balancing_router_makes_each_replica_queue_less_than_poisson() -> None:
+    # Same per-replica load: one replica alone sees Poisson arrivals; one of eight
+    # behind a balancing router sees regular ones (CV^2 1/8), so it waits less.
+    per = PerReplicaLoad.from_estimate(load_of(14.0), 1)
+    balanced, random_spread = PlannerPolicy(), PlannerPolicy(balanced_routing=False)
+    alone = predict_latency(LinearStepTime(), per, ENGINE, balanced, 1)
+    of_eight = predict_latency(LinearStepTime(), per, ENGINE, balanced, 8)
+    random_eight = predict_latency(LinearStepTime(), per, ENGINE, random_spread, 8)
+    assert random_eight.ttft_mean_ms == pytest.approx(alone.ttft_mean_ms)
+    assert of_eight.itl_mean_ms == pytest.approx(alone.itl_mean_ms)  # queueing only
+    service = alone.ttft_mean_ms - _wait_free_ttft_ms(per)
+    # Kingman: the wait scales with (CV_a^2 + CV_s^2) / 2 = (1/8 + 1) / 2 of Poisson's.
+    assert of_eight.ttft_mean_ms - _wait_free_ttft_ms(per) == pytest.approx(
+        service * (1.0 / 8.0 + 1.0) / 2.0, rel=1e-6
+    )
+
+
+def _wait_free_ttft_ms(per: PerReplicaLoad) -> float:
+    """TTFT with no queueing: the same prediction at zero service variability and
+    perfectly regular arrivals (Kingman's wait is then 0)."""
+    policy = PlannerPolicy(service_cv2=0.0, balanced_routing=True)
+    return predict_latency(LinearStepTime(), per, ENGINE, policy, 10**9).ttft_mean_ms

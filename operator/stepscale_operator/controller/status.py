@@ -146,6 +146,7 @@ _LOAD_FIELDS = {
     "queued_prefill_tokens_mean": "queuedPrefillTokensMean",
     "queued_decode_requests_mean": "queuedDecodeRequestsMean",
     "queued_prefill_tokens_trend": "queuedPrefillTokensTrend",
+    "queued_prefill_tokens_change_per_s": "queuedPrefillTokensChangePerSecond",
     "queued_decode_requests_trend": "queuedDecodeRequestsTrend",
     "missing_streams": "missingStreams",
 }
