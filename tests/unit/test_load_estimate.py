@@ -117,10 +117,10 @@ def test_prefix_cache_hits_and_prompt_length() -> None:
     assert load.prefill_requests_per_s == pytest.approx(10.0, rel=0.1)
 
 
-def test_chunk_continuations_are_not_cache_hits() -> None:
-    est = LoadEstimator(window_s=10.0)
-    # A 3000-token prompt in chunks of 1000 (the budget): KV of chunks 2 and 3 is not a hit.
-    counter = 0
+def feed_chunked_prompts(est: LoadEstimator, first_counter: int) -> int:
+    """One 3000-token prompt a second for 10 s, in chunks of 1000 (the budget), each
+    followed by a small pass that ends the run of full passes; returns the next counter."""
+    counter = first_counter
     for second in range(10):
         for chunk in range(3):
             sched = ScheduledRequestMetrics(
@@ -128,10 +128,16 @@ def test_chunk_continuations_are_not_cache_hits() -> None:
             )
             est.observe(_msg(counter, sched), second + chunk * 0.1)
             counter += 1
-        # A last small pass ends the sequence of full passes.
         tail = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=10)
         est.observe(_msg(counter, tail), second + 0.5)
         counter += 1
+    return counter
+
+
+def test_chunk_continuations_are_not_cache_hits() -> None:
+    # KV of chunks 2 and 3 is the prompt's own earlier chunks, not a cache hit.
+    est = LoadEstimator(window_s=10.0)
+    feed_chunked_prompts(est, first_counter=0)
     load = est.estimate(10.0)
     assert load.prefix_cache_hit_fraction == pytest.approx(0.0)
     assert load.prefill_tokens_per_s == pytest.approx(3010.0, rel=0.1)
@@ -195,17 +201,7 @@ def test_hostile_values_are_rejected_counted_and_do_not_skew_the_load() -> None:
     # would also become the stream's token budget, and no chunk would look full again.
     absurd = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=10**12)
     est.observe(_msg(0, absurd), 0.0)
-    counter = 1
-    for second in range(10):  # the chunked prompt of test_chunk_continuations_are_not_cache_hits
-        for chunk in range(3):
-            sched = ScheduledRequestMetrics(
-                num_prefill_requests=1, sum_prefill_tokens=1000, sum_prefill_kv_tokens=1000 * chunk
-            )
-            est.observe(_msg(counter, sched), second + chunk * 0.1)
-            counter += 1
-        tail = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=10)
-        est.observe(_msg(counter, tail), second + 0.5)
-        counter += 1
+    counter = feed_chunked_prompts(est, first_counter=1)
     # Within the hard limits but 1000x this stream's largest pass: not believed either.
     beyond = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=10**6)
     est.observe(_msg(counter, beyond, wall=1.0), 9.6)
