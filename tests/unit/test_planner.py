@@ -581,3 +581,32 @@ def _wait_free_ttft_ms(per: PerReplicaLoad) -> float:
     perfectly regular arrivals (Kingman's wait is then 0)."""
     policy = PlannerPolicy(service_cv2=0.0, balanced_routing=True)
     return predict_latency(LinearStepTime(), per, ENGINE, policy, 10**9).ttft_mean_ms
+
+
+def test_look_ahead_needs_the_rise_to_show_over_minutes_too() -> None:
+    # Flat demand for two minutes, then every 30 s window reports a steep rise that
+    # the measured rate does not follow (noise that happens to persist): the long
+    # trend is flat, so no look-ahead beyond the fixed headroom.
+    flat = needed_for(load_of(45.0))
+    planner = Planner()
+    now = 0.0
+    for _ in range(24):
+        planner.decide(inputs_for(load_of(45.0), flat, now=now), now=now)
+        now += 5.0
+    for _ in range(6):
+        d = planner.decide(inputs_for(load_of(45.0, trend=0.5), flat, now=now), now=now)
+        now += 5.0
+    assert d.inputs["long_trend_ratio"] == pytest.approx(1.0)
+    assert d.inputs["forecast_ratio"] == PlannerPolicy().min_lookahead_ratio
+    assert d.desired_replicas == flat
+    # A real ramp shows in the measured rate too: the look-ahead follows it.
+    ramp = Planner()
+    rate, now = 30.0, 0.0
+    for _ in range(30):
+        d = ramp.decide(inputs_for(load_of(rate, trend=0.3), flat, now=now), now=now)
+        rate += 1.5  # 0.3 req/s per second, as the windows say
+        now += 5.0
+    long_ratio = d.inputs["long_trend_ratio"]
+    assert isinstance(long_ratio, float) and long_ratio > 1.2
+    forecast = d.inputs["forecast_ratio"]
+    assert isinstance(forecast, float) and forecast > PlannerPolicy().min_lookahead_ratio
