@@ -305,7 +305,7 @@ class FpmSubscriber:
                     self._reject(FrameError.FRAME_COUNT, None)
                 break
             if len(seq) != 8:
-                self._reject_frames([topic, seq, payload])
+                self._reject(FrameError.SEQUENCE_LENGTH, _peek_stream(payload), f"{len(seq)} bytes")
                 continue
             seqs.append(seq)
             payloads.append(payload)
@@ -329,7 +329,7 @@ class FpmSubscriber:
                 raise ValueError("oversized payload")
             decoded = [_decoder.decode(p) for p in payloads]
         except Exception:  # noqa: BLE001 - e.g. RecursionError: judge each payload alone
-            decoded = [self._decode_one(p) for p in payloads]
+            decoded = [self._decode_one(p, q) for p, q in zip(payloads, seqs, strict=True)]
         good_idx = [i for i, m in enumerate(decoded) if m is not None]
         msgs = [m for m in decoded if m is not None]
         matrices = PassMatrices.from_messages(msgs)
@@ -343,11 +343,16 @@ class FpmSubscriber:
             & (num[:, COL_COUNTER] == seq_values.astype(np.float64))
         )
         if not valid.all():
+            # The wire module judges doubtful rows, and what it accepts is what it
+            # returns (its leniency, e.g. a rounding-negative variance set to 0).
             for row in np.flatnonzero(~valid):
                 i = good_idx[int(row)]
-                valid[row] = self._slow_path_accepts([b"", seqs[i], payloads[i]])
-            matrices = matrices.select(valid)
+                judged = self._slow_path_message([b"", seqs[i], payloads[i]])
+                valid[row] = judged is not None
+                if judged is not None:
+                    msgs[row] = judged
             msgs = [m for m, ok in zip(msgs, valid, strict=True) if ok]
+            matrices = PassMatrices.from_messages(msgs)
         # Payloads that failed to decode were rejected in _decode_one.
         if self.observe_streams and msgs:
             seen = self.streams.observe_columns(
@@ -363,32 +368,32 @@ class FpmSubscriber:
         self.stats.accepted += len(msgs)
         return batch
 
-    def _decode_one(self, payload: bytes | memoryview) -> ForwardPassMetrics | None:
+    def _decode_one(
+        self, payload: bytes | memoryview, seq: bytes | memoryview
+    ) -> ForwardPassMetrics | None:
+        """The fast decoder's message, else the wire module's (lenient) one, else None
+        with the rejection counted. Sequence mismatches are counted later, once."""
         if len(payload) <= wire.MAX_PAYLOAD_BYTES:
             try:
                 return _decoder.decode(payload)
-            except Exception:  # noqa: BLE001 - whatever the decoder raises, the frame is bad
+            except Exception:  # noqa: BLE001 - the wire module judges it below
                 pass
-        self._reject_frames([b"", wire.encode_sequence(0), payload])
-        return None
+        frames = [b"", seq, payload]
+        msg, reason, detail = _wire_decode(frames)
+        if msg is None:
+            self._reject(reason or FrameError.SCHEMA, _peek_stream(payload), detail)
+        return msg
 
-    def _slow_path_accepts(self, frames: list[bytes | memoryview]) -> bool:
-        """Let the wire module judge a doubtful message; count its reason if rejected."""
-        reason, detail = _wire_verdict(frames, self._count_sequence_mismatch)
-        if reason is None:
-            return True
-        self._reject(reason, _peek_stream(frames[2]), detail)
-        return False
+    def _slow_path_message(self, frames: list[bytes | memoryview]) -> ForwardPassMetrics | None:
+        """The wire module's message for a doubtful frame; its reason counted if rejected."""
+        msg, reason, detail = _wire_decode(frames, self._count_sequence_mismatch)
+        if msg is None:
+            self._reject(reason or FrameError.SCHEMA, _peek_stream(frames[2]), detail)
+        return msg
 
     def _count_sequence_mismatch(self, sequence: int, msg: ForwardPassMetrics) -> None:
         """Not a rejection (the stream is numbered by ``counter_id``), but worth counting."""
         self.stats.sequence_mismatches += 1
-
-    def _reject_frames(self, frames: list[bytes | memoryview]) -> None:
-        reason, detail = _wire_verdict(frames)
-        if reason is None:  # only reachable for a seq frame rebuilt by _decode_one
-            reason, detail = FrameError.SCHEMA, "undecodable payload"
-        self._reject(reason, _peek_stream(frames[2]) if len(frames) == 3 else None, detail)
 
     def _reject(self, reason: FrameError, key: StreamKey | None, detail: str = "") -> None:
         name = reason.value
@@ -407,22 +412,21 @@ class FpmSubscriber:
             self._rate_log.warning("sink", "FPM sink failed: %r", exc)
 
 
-def _wire_verdict(
+def _wire_decode(
     frames: list[bytes | memoryview],
     on_sequence_mismatch: Callable[[int, ForwardPassMetrics], None] | None = None,
-) -> tuple[FrameError | None, str]:
-    """The wire module's rejection reason for ``frames`` (None if it accepts them).
+) -> tuple[ForwardPassMetrics | None, FrameError | None, str]:
+    """The wire module's message for ``frames``, or None with its rejection reason.
 
     Any exception other than :class:`DecodeError` (the wire module failing on a
     hostile payload, e.g. by recursion) counts as a payload that is not msgpack.
     """
     try:
-        wire.decode_frames(frames, on_sequence_mismatch=on_sequence_mismatch)
+        return wire.decode_frames(frames, on_sequence_mismatch=on_sequence_mismatch), None, ""
     except DecodeError as exc:
-        return exc.reason, exc.detail
+        return None, exc.reason, exc.detail
     except Exception as exc:  # noqa: BLE001 - a hostile payload must not escape as an error
-        return FrameError.NOT_MSGPACK, f"undecodable payload: {type(exc).__name__}"
-    return None, ""
+        return None, FrameError.NOT_MSGPACK, f"undecodable payload: {type(exc).__name__}"
 
 
 def _peek_stream(payload: bytes | memoryview) -> StreamKey | None:

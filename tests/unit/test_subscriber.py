@@ -99,6 +99,29 @@ def test_interop_payloads_dynamo_vllm_pr_and_unknown_keys(ctx: zmq.Context) -> N
     pub.close(0)
 
 
+def test_the_wire_modules_leniency_holds_through_the_subscriber(ctx: zmq.Context) -> None:
+    # What the wire module accepts, the subscriber passes on as the wire module
+    # reads it: a nil timing_scope (unset) and a variance negative only by rounding
+    # (set to 0), on the batch path as well as alone.
+    rounding = {
+        "num_decode_requests": 3,
+        "sum_decode_kv_tokens": 300,
+        "var_decode_kv_tokens": -1e-9,
+    }
+    pub, ep = xpub(ctx)
+    with FpmSubscriber(context=ctx) as sub:
+        connect(sub, pub, ep)
+        pub.send_multipart(frames_of(payload_dict(0, timing_scope=None)))
+        pub.send_multipart(frames_of(payload_dict(1, scheduled_requests=rounding)))
+        pub.send_multipart(frames_of(payload_dict(2)))
+        got = collect(sub, 3)
+    assert [m.counter_id for m in got] == [0, 1, 2]
+    assert sub.stats.rejected == {}
+    assert got[0].timing_scope is msgspec.UNSET
+    assert got[1].scheduled_requests.var_decode_kv_tokens == 0.0
+    pub.close(0)
+
+
 def test_hostile_frames_are_counted_never_raised(ctx: zmq.Context) -> None:
     pub, ep = xpub(ctx)
     good = payload_dict(0)
