@@ -210,7 +210,8 @@ def _installing_call(method: Callable[..., Any], config: PluginConfig) -> Callab
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _ensure_hook(self, config)
+        if _HOOK_ATTR not in self.__dict__:  # every step passes here: keep it one lookup
+            _ensure_hook(self, config)
         return method(self, *args, **kwargs)  # outside the guard: the engine's own errors
 
     return wrapper

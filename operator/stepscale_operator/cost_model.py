@@ -379,12 +379,6 @@ def roofline(regressors: FloatArray, coef: FloatArray) -> FloatArray:
     return out
 
 
-def roofline_time(sched: FloatArray, coefficients: dict[str, float]) -> FloatArray:
-    """Step time (s) of (n, 7) compositions under SI ``coefficients`` (missing ones: 0)."""
-    coef = np.array([float(coefficients.get(name, 0.0)) for name in COEFFICIENT_NAMES])
-    return roofline(regressor_matrix(sched), coef)
-
-
 def compute_side(regressors: FloatArray, coef: FloatArray) -> npt.NDArray[np.bool_]:
     """Rows whose compute piece is at least their memory piece (ties go to compute)."""
     compute = regressors[:, _COMPUTE] @ coef[_COMPUTE]
@@ -605,13 +599,8 @@ class CostModel:
         self.min_samples = int(min_samples)
         # Passes that must carry prefill (and, apart, decode) before predictions are
         # trusted: the planner predicts both TTFT and ITL from this one model.
-        # Unless set, a tenth of min_samples (re-derived when min_samples changes).
+        # Unless set, a tenth of min_samples (see the property).
         self._min_regime_setting = None if min_regime_samples is None else int(min_regime_samples)
-        self.min_regime_samples = (
-            max(1, self.min_samples // 10)
-            if self._min_regime_setting is None
-            else self._min_regime_setting
-        )
         # Default floor: 1/2000 of the half-life (10 samples at the default), so that a
         # bucket keeps some knowledge forever but stale data never outweighs fresh: with
         # ~100 buckets in use, 1/200 (the old default) held more samples in the floors
@@ -1312,6 +1301,13 @@ class CostModel:
             and self.prefill_bearing_samples >= self.min_regime_samples
             and self.decode_bearing_samples >= self.min_regime_samples
         )
+
+    @property
+    def min_regime_samples(self) -> int:
+        """Prefill-bearing (and, apart, decode-bearing) passes needed before ``ready``."""
+        if self._min_regime_setting is not None:
+            return self._min_regime_setting
+        return max(1, self.min_samples // 10)
 
     @property
     def prefill_bearing_samples(self) -> int:
