@@ -1,5 +1,5 @@
 # Stepscale: every command a developer or CI needs. The virtualenv lives in .venv
-# and is (re)built whenever pyproject.toml changes.
+# and is (re)built whenever pyproject.toml or the native ingest extension changes.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py operator/stepscale_operator/_fpm_native.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[engine-cpu,operator,dev]'

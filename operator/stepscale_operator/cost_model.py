@@ -586,7 +586,7 @@ class CostModel:
         budget_factor: float = 4.0,
         budget_floor: float = 65536.0,
         fast_factor: float = 10.0,
-        max_chunk: int = 2048,
+        max_chunk: int = 4096,  # a whole subscriber batch learned against one solve
         max_streams: int = 4096,
         stream_half_life_passes: float = 200.0,
         ridge: float = 1e-7,

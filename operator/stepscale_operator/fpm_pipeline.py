@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -100,10 +100,42 @@ class PassMatrices:
         return self.numeric[:, COL_QUEUED:]
 
 
-class MessageBatch(list[ForwardPassMetrics]):
-    """A list of decoded messages that may carry its columns, so sinks need not rebuild them."""
+class MessageBatch(Sequence[ForwardPassMetrics]):
+    """The accepted messages of one receive: their columns, and the structs on demand.
 
-    matrices: PassMatrices | None = None
+    Ingest works on :attr:`matrices` only. The message structs are built the first
+    time something reads the batch as a sequence (tests, tools), so a receive that
+    decoded straight into columns (the native path) never pays for them.
+    """
+
+    def __init__(
+        self,
+        matrices: PassMatrices,
+        messages: list[ForwardPassMetrics] | Callable[[], list[ForwardPassMetrics]],
+    ) -> None:
+        self.matrices = matrices
+        self._messages = messages
+
+    @classmethod
+    def of(cls, msgs: Sequence[ForwardPassMetrics]) -> MessageBatch:
+        """A batch of already decoded messages."""
+        return cls(PassMatrices.from_messages(msgs), list(msgs))
+
+    def messages(self) -> list[ForwardPassMetrics]:
+        """The message structs, in row order (built once, then kept)."""
+        if callable(self._messages):
+            self._messages = self._messages()
+        return self._messages
+
+    def __len__(self) -> int:
+        return len(self.matrices)
+
+    @overload
+    def __getitem__(self, index: int) -> ForwardPassMetrics: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[ForwardPassMetrics]: ...
+    def __getitem__(self, index: int | slice) -> ForwardPassMetrics | list[ForwardPassMetrics]:
+        return self.messages()[index]
 
 
 @dataclass(frozen=True)
@@ -155,8 +187,9 @@ class DeploymentModel:
         """Account a batch of decoded messages received at ``now`` (default: the clock)."""
         if now is None:
             now = self._clock()
-        matrices = msgs.matrices if isinstance(msgs, MessageBatch) else None
-        if matrices is None or len(matrices) != len(msgs):
+        if isinstance(msgs, MessageBatch):
+            matrices = msgs.matrices
+        else:
             matrices = PassMatrices.from_messages(msgs)
         with self._lock:
             restarted: tuple[StreamKey, ...] = ()
@@ -177,7 +210,7 @@ class DeploymentModel:
         passes = int(np.count_nonzero(wall > 0.0))
         return IngestResult(len(matrices), passes, len(matrices) - passes, restarted)
 
-    def on_batch(self, msgs: list[ForwardPassMetrics]) -> None:
+    def on_batch(self, msgs: Sequence[ForwardPassMetrics]) -> None:
         """Sink for :class:`~stepscale_operator.subscriber.FpmSubscriber`."""
         self.ingest(msgs)
 

@@ -6,23 +6,18 @@ each payload. Endpoints are added and removed at run time from any thread: the
 request is queued and the polling thread is woken through an inproc PAIR socket,
 because ZMQ sockets must only be used by one thread.
 
-Receiving is batched: up to ``max_batch`` messages are drained per wake-up,
-decoded, validated column-wise (:class:`~stepscale_operator.fpm_pipeline.PassMatrices`)
-and handed to the sink as one :class:`~stepscale_operator.fpm_pipeline.MessageBatch`.
+Receiving is batched: up to ``max_batch`` messages are drained per wake-up and
+decoded straight into columns (:class:`~stepscale_operator.fpm_pipeline.PassMatrices`),
+handed to the sink as one :class:`~stepscale_operator.fpm_pipeline.MessageBatch`.
+Where the native extension is built (:mod:`~stepscale_operator.fpm_native`), the
+receive and the decode each cost one call per batch; otherwise pyzmq and msgspec
+do the same per message (slower, identical results).
 
 Validation is exactly :func:`stepscale_engine.wire.decode_frames`'s: the fast path
 accepts only what it would accept, and anything the fast path doubts goes through
-``decode_frames`` itself to get the rejection reason. Frame boundaries: one
-``recv_multipart`` costs about three times as much as three bare ``recv`` calls,
-because it asks ZMQ (``getsockopt(RCVMORE)``) whether more frames follow after
-every frame. The default, ``exact_framing=True``, receives zero-copy frames instead,
-which carry that flag themselves: every boundary is checked, a malformed message
-loses nothing but itself, and it is about 1.3-1.5x faster than
-``recv_multipart`` (benchmarks/bench_ingest.py). The opt-in
-``exact_framing=False`` reads ``[topic, sequence, payload]`` as bytes and asks
-once, after the payload; a message of the wrong length is still detected and
-counted (``frame_count``), but since its boundary was found late the message
-after it can be dropped with it (counted in ``resyncs``).
+``decode_frames`` itself to get the rejection reason. Every frame boundary is
+checked (each frame carries its own "more" flag), so a malformed message loses
+nothing but itself.
 Nothing here raises on bad input: every rejection is counted by reason and
 logged at a limited rate. Any exception while decoding one payload (for example
 a ``RecursionError`` from deeply nested msgpack) rejects that payload only, and
@@ -37,16 +32,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 import zmq
 
 from stepscale_engine import wire
 from stepscale_engine.rate_limited_log import RateLimitedLog
 from stepscale_engine.wire import DecodeError, ForwardPassMetrics, FrameError
+from stepscale_operator import fpm_native
 from stepscale_operator.fpm_pipeline import (
     COL_COUNTER,
     COL_VERSION,
@@ -57,9 +55,8 @@ from stepscale_operator.stream_state import StreamKey, StreamTable
 
 log = logging.getLogger(__name__)
 
-BatchSink = Callable[[list[ForwardPassMetrics]], None]
+BatchSink = Callable[[MessageBatch], None]
 
-_decoder = msgspec.msgpack.Decoder(ForwardPassMetrics)
 _raw_decoder = msgspec.msgpack.Decoder()
 _instance_ids = itertools.count()
 # Counters at or above 2**53 are not exact in float64: send them to the slow path.
@@ -73,7 +70,6 @@ class SubscriberStats:
     received: int = 0  # messages (multipart) taken off the socket
     accepted: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # FrameError value -> count
-    resyncs: int = 0  # frame boundary found late; the message after may be lost
     duplicates: int = 0  # valid messages whose sequence the stream table had already seen
     sequence_mismatches: int = 0  # accepted, but the sequence frame != counter_id (spec: allowed)
     batches: int = 0
@@ -95,15 +91,22 @@ class FpmSubscriber:
         context: zmq.Context | None = None,
         max_batch: int = 4096,
         rcvhwm: int = 100_000,
-        exact_framing: bool = True,
+        native_receive: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``streams``/``observe_streams``: see :class:`DeploymentModel` for sharing a table."""
+        """``streams``/``observe_streams``: see :class:`DeploymentModel` for sharing a table.
+
+        ``native_receive``: use the native batched receive (default: where it is built).
+        """
         self.on_batch = on_batch
         self.streams = streams if streams is not None else StreamTable()
         self.observe_streams = observe_streams
         self.max_batch = max(1, int(max_batch))
-        self.exact_framing = exact_framing
+        if native_receive is None:
+            native_receive = fpm_native.DRAIN_AVAILABLE
+        elif native_receive and not fpm_native.DRAIN_AVAILABLE:
+            raise RuntimeError("the native FPM receive is not available (extension not built)")
+        self.native_receive = native_receive
         self.stats = SubscriberStats()
         self._clock = clock
         self._context = context or zmq.Context.instance()
@@ -183,7 +186,7 @@ class FpmSubscriber:
             raise RuntimeError("poll_batch is not available while the background thread runs")
         self._apply_commands()
         if not self._sub.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return MessageBatch()
+            return MessageBatch.of([])
         return self._receive_batch()
 
     def run_once(self, timeout_s: float = 0.0) -> int:
@@ -255,106 +258,103 @@ class FpmSubscriber:
 
     def _receive_batch(self) -> MessageBatch:
         """Drain up to ``max_batch`` messages and decode them."""
+        if self.native_receive:
+            drained = fpm_native.drain(self._sub, self.max_batch)
+            self.stats.received += drained.received
+            for code, sequence_length, payload in drained.rejects:
+                if code == fpm_native.REJECT_SEQUENCE_LENGTH:
+                    self._reject(
+                        FrameError.SEQUENCE_LENGTH,
+                        _peek_stream(payload),
+                        f"{sequence_length} bytes",
+                    )
+                else:
+                    self._reject(FrameError.FRAME_COUNT, None)
+            return self._decode(drained.sequences, drained.payloads, drained.ends)
+        return self._receive_batch_pyzmq()
+
+    def _receive_batch_pyzmq(self) -> MessageBatch:
+        """The pure-pyzmq receive: same checks as the native one, a call per frame."""
         seqs: list[bytes] = []
-        payloads: list[bytes | memoryview] = []
+        payloads: list[memoryview] = []
         recv = self._sub.recv
-        getsockopt = self._sub.getsockopt
-        noblock, rcvmore = zmq.NOBLOCK, zmq.RCVMORE
-        exact = self.exact_framing
+        noblock = zmq.NOBLOCK
         received = 0
         for _ in range(self.max_batch):
-            frames_read = 0  # of the current message, to spot one cut short
             try:
-                if exact:
-                    # Zero-copy frames carry their own "more" flag (zmq_msg_more),
-                    # so every boundary is checked without a getsockopt per frame.
-                    first = recv(noblock, copy=False)
-                    received += 1
-                    if not first.more:
-                        self._reject(FrameError.FRAME_COUNT, None)
-                        continue
-                    second = recv(noblock, copy=False)
-                    if not second.more:
-                        self._reject(FrameError.FRAME_COUNT, None)
-                        continue
-                    third = recv(noblock, copy=False)
-                    if third.more:
-                        self._drain_message()
-                        self._reject(FrameError.FRAME_COUNT, None)
-                        continue
-                    topic, seq, payload = first.buffer, second.bytes, third.buffer
-                else:
-                    topic = recv(noblock)
-                    received += 1
-                    frames_read = 1
-                    if topic != b"" and not getsockopt(rcvmore):
-                        self._reject(FrameError.FRAME_COUNT, None)
-                        continue
-                    seq = recv(noblock)
-                    frames_read = 2
-                    payload = recv(noblock)
-                    if getsockopt(rcvmore):
-                        # More than three frames, or a short message before this one.
-                        self._drain_message()
-                        self.stats.resyncs += 1
-                        self._reject(FrameError.FRAME_COUNT, None)
-                        continue
-            except zmq.Again:
-                # The queue emptied mid-message: the last message had fewer frames.
-                if frames_read:
+                # Zero-copy frames carry their own "more" flag (zmq_msg_more), so
+                # every boundary is checked without a getsockopt per frame.
+                first = recv(noblock, copy=False)
+                received += 1
+                if not first.more:
                     self._reject(FrameError.FRAME_COUNT, None)
-                break
+                    continue
+                second = recv(noblock, copy=False)
+                if not second.more:
+                    self._reject(FrameError.FRAME_COUNT, None)
+                    continue
+                third = recv(noblock, copy=False)
+                if third.more:
+                    self._drain_message()
+                    self._reject(FrameError.FRAME_COUNT, None)
+                    continue
+            except zmq.Again:
+                break  # ZMQ delivers whole messages: only the queue ran empty
+            seq, payload = second.bytes, third.buffer
             if len(seq) != 8:
                 self._reject(FrameError.SEQUENCE_LENGTH, _peek_stream(payload), f"{len(seq)} bytes")
                 continue
             seqs.append(seq)
             payloads.append(payload)
         self.stats.received += received
-        return self._decode(seqs, payloads)
+        ends = np.cumsum([len(p) for p in payloads], dtype=np.uint64).astype(np.uint32)
+        return self._decode(b"".join(seqs), b"".join(payloads), ends)
 
     def _drain_message(self) -> None:
         while self._sub.getsockopt(zmq.RCVMORE):
             self._sub.recv(zmq.NOBLOCK)
 
-    def _decode(self, seqs: list[bytes], payloads: list[bytes | memoryview]) -> MessageBatch:
-        """Decode well-framed messages; vectorised validation, slow path for the doubtful."""
-        n = len(payloads)
-        batch = MessageBatch()
+    def _decode(
+        self, sequences: bytes, payloads: bytes, ends: npt.NDArray[np.uint32]
+    ) -> MessageBatch:
+        """Decode well-framed messages into columns; the wire module judges doubtful rows.
+
+        ``sequences`` holds 8 bytes per message, ``payloads`` the payloads back to
+        back, ``ends`` where each one ends.
+        """
+        n = int(ends.shape[0])
         if n == 0:
-            batch.matrices = PassMatrices.from_messages([])
-            return batch
-        decoded: list[ForwardPassMetrics | None]
-        try:
-            if any(len(p) > wire.MAX_PAYLOAD_BYTES for p in payloads):
-                raise ValueError("oversized payload")
-            decoded = [_decoder.decode(p) for p in payloads]
-        except Exception:  # noqa: BLE001 - e.g. RecursionError: judge each payload alone
-            decoded = [self._decode_one(p, q) for p, q in zip(payloads, seqs, strict=True)]
-        good_idx = [i for i, m in enumerate(decoded) if m is not None]
-        msgs = [m for m in decoded if m is not None]
-        matrices = PassMatrices.from_messages(msgs)
-        seq_values = np.frombuffer(b"".join(seqs[i] for i in good_idx), dtype=">u8")
-        num = matrices.numeric
+            return MessageBatch.of([])
+        numeric, keys, doubtful = fpm_native.decode_columns(payloads, ends)
+        seq_values = np.frombuffer(sequences, dtype=">u8")
         valid = (
-            (num[:, COL_VERSION] == wire.WIRE_VERSION)
-            & np.isfinite(num).all(axis=1)
-            & (num[:, 1:] >= 0.0).all(axis=1)
-            & (num[:, COL_COUNTER] < _EXACT_FLOAT_LIMIT)
-            & (num[:, COL_COUNTER] == seq_values.astype(np.float64))
+            ~doubtful
+            & (numeric[:, COL_VERSION] == wire.WIRE_VERSION)
+            & np.isfinite(numeric).all(axis=1)
+            & (numeric[:, 1:] >= 0.0).all(axis=1)
+            & (numeric[:, COL_COUNTER] < _EXACT_FLOAT_LIMIT)
+            & (numeric[:, COL_COUNTER] == seq_values.astype(np.float64))
         )
+        starts = np.r_[0, ends[:-1]].astype(np.int64)
+        judged: dict[int, ForwardPassMetrics] = {}
         if not valid.all():
             # The wire module judges doubtful rows, and what it accepts is what it
             # returns (its leniency, e.g. a rounding-negative variance set to 0).
-            for row in np.flatnonzero(~valid):
-                i = good_idx[int(row)]
-                judged = self._slow_path_message([b"", seqs[i], payloads[i]])
-                valid[row] = judged is not None
-                if judged is not None:
-                    msgs[row] = judged
-            msgs = [m for m, ok in zip(msgs, valid, strict=True) if ok]
-            matrices = PassMatrices.from_messages(msgs)
-        # Payloads that failed to decode were rejected in _decode_one.
-        if self.observe_streams and msgs:
+            for row in np.flatnonzero(~valid).tolist():
+                frames = [
+                    b"",
+                    sequences[8 * row : 8 * row + 8],
+                    payloads[starts[row] : ends[row]],
+                ]
+                msg = self._slow_path_message(frames)
+                if msg is not None:
+                    judged[row] = msg
+                    numeric[row] = PassMatrices.from_messages([msg]).numeric[0]
+                    keys[row] = (msg.worker_id, msg.dp_rank)
+                    valid[row] = True
+        rows = np.flatnonzero(valid)
+        matrices = PassMatrices([cast(StreamKey, keys[i]) for i in rows.tolist()], numeric[rows])
+        if self.observe_streams and len(rows):
             seen = self.streams.observe_columns(
                 matrices.keys, matrices.counters, matrices.wall, self._clock()
             )
@@ -362,29 +362,19 @@ class FpmSubscriber:
                 # Counted as duplicates by the table; the sink must not learn them twice.
                 self.stats.duplicates += int(np.count_nonzero(~seen.mask))
                 matrices = matrices.select(seen.mask)
-                msgs = [m for m, ok in zip(msgs, seen.mask, strict=True) if ok]
-        batch.extend(msgs)
-        batch.matrices = matrices
-        self.stats.accepted += len(msgs)
-        return batch
+                rows = rows[seen.mask]
+        self.stats.accepted += len(rows)
 
-    def _decode_one(
-        self, payload: bytes | memoryview, seq: bytes | memoryview
-    ) -> ForwardPassMetrics | None:
-        """The fast decoder's message, else the wire module's (lenient) one, else None
-        with the rejection counted. Sequence mismatches are counted later, once."""
-        if len(payload) <= wire.MAX_PAYLOAD_BYTES:
-            try:
-                return _decoder.decode(payload)
-            except Exception:  # noqa: BLE001 - the wire module judges it below
-                pass
-        frames = [b"", seq, payload]
-        msg, reason, detail = _wire_decode(frames)
-        if msg is None:
-            self._reject(reason or FrameError.SCHEMA, _peek_stream(payload), detail)
-        return msg
+        def messages() -> list[ForwardPassMetrics]:
+            # On demand only: ingest needs the columns, not the structs.
+            return [
+                judged[r] if r in judged else wire.decode_payload(payloads[starts[r] : ends[r]])
+                for r in rows.tolist()
+            ]
 
-    def _slow_path_message(self, frames: list[bytes | memoryview]) -> ForwardPassMetrics | None:
+        return MessageBatch(matrices, messages)
+
+    def _slow_path_message(self, frames: Sequence[bytes | memoryview]) -> ForwardPassMetrics | None:
         """The wire module's message for a doubtful frame; its reason counted if rejected."""
         msg, reason, detail = _wire_decode(frames, self._count_sequence_mismatch)
         if msg is None:
@@ -413,7 +403,7 @@ class FpmSubscriber:
 
 
 def _wire_decode(
-    frames: list[bytes | memoryview],
+    frames: Sequence[bytes | memoryview],
     on_sequence_mismatch: Callable[[int, ForwardPassMetrics], None] | None = None,
 ) -> tuple[ForwardPassMetrics | None, FrameError | None, str]:
     """The wire module's message for ``frames``, or None with its rejection reason.

@@ -63,25 +63,32 @@ def test_missing_stream_makes_estimate_incomplete() -> None:
     assert dm.estimate(now=0.5).complete
 
 
-def test_reuses_columns_carried_by_the_batch() -> None:
+def test_ingest_learns_from_the_batch_columns_not_the_structs() -> None:
     msgs = [_pass("a", c, 1 + c % 31) for c in range(300)]
-    batch = MessageBatch(msgs)
     carried = PassMatrices.from_messages(msgs)
     # Columns that differ from the messages: every pass twice as slow. Learning from
-    # them (not from rebuilt columns) doubles the model's predictions.
+    # them (not from columns rebuilt out of the structs) doubles the model's predictions.
     carried.numeric[:, COL_WALL] *= 2.0
-    batch.matrices = carried
+    built = 0
+
+    def structs() -> list[ForwardPassMetrics]:
+        nonlocal built
+        built += 1
+        return msgs
+
+    batch = MessageBatch(carried, structs)
     dm = DeploymentModel(cost_model=CostModel(warmup_passes=0, min_samples=1))
     dm.ingest(batch, now=0.0)
     probe = ScheduledRequestMetrics(num_decode_requests=16, sum_decode_kv_tokens=1600)
     assert dm.cost_model.predict(probe) == pytest.approx(2 * (0.002 + 16e-4), rel=0.02)
-    # Columns that do not match the batch are ignored and rebuilt from the messages.
-    stale = MessageBatch(msgs)
-    stale.matrices = PassMatrices.from_messages(msgs[:10])
-    rebuilt = DeploymentModel(cost_model=CostModel(warmup_passes=0, min_samples=1))
-    rebuilt.ingest(stale, now=0.0)
-    assert rebuilt.cost_model.samples == 300
-    assert rebuilt.cost_model.predict(probe) == pytest.approx(0.002 + 16e-4, rel=0.02)
+    assert built == 0  # ingest never asked for the structs
+    assert len(batch) == 300 and batch[5] is msgs[5] and built == 1
+    assert list(batch) == msgs and built == 1  # built once, then kept
+    # A batch made of structs carries their columns.
+    plain = DeploymentModel(cost_model=CostModel(warmup_passes=0, min_samples=1))
+    plain.ingest(MessageBatch.of(msgs), now=0.0)
+    assert plain.cost_model.samples == 300
+    assert plain.cost_model.predict(probe) == pytest.approx(0.002 + 16e-4, rel=0.02)
 
 
 def test_duplicates_are_learned_once() -> None:

@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stepscale_engine.rate_limited_log import RateLimitedLog
-from stepscale_engine.wire import ForwardPassMetrics
 from stepscale_operator.controller.cost_model_prior import prior_snapshot
 from stepscale_operator.controller.discovery import PodDirectory, PodView, StreamChanges
 from stepscale_operator.controller.spec import VllmDeploymentSpec
 from stepscale_operator.cost_model import CostModel
-from stepscale_operator.fpm_pipeline import DeploymentModel
+from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch
 from stepscale_operator.load_estimate import LoadEstimator
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner import (
@@ -123,7 +122,7 @@ class DeploymentAutoscaler:
         self._clock = clock
         self._wall_clock = wall_clock
         self._lock = threading.RLock()
-        self._queue: deque[tuple[float, list[ForwardPassMetrics]]] = deque()
+        self._queue: deque[tuple[float, MessageBatch]] = deque()
         self.dropped_batches = 0
         # Counts of streams no longer in the model (pods gone, model rebuilt), so that
         # the totals never go down when a stream leaves.
@@ -145,7 +144,7 @@ class DeploymentAutoscaler:
 
     # -- subscriber thread -------------------------------------------------------
 
-    def _on_batch(self, msgs: list[ForwardPassMetrics]) -> None:
+    def _on_batch(self, msgs: MessageBatch) -> None:
         """Sink of the subscriber: queue the batch with its arrival time (never blocks)."""
         if len(self._queue) >= MAX_QUEUED_BATCHES:
             self.dropped_batches += 1
