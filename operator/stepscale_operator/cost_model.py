@@ -174,7 +174,22 @@ import numpy as np
 import numpy.typing as npt
 
 from stepscale_engine.wire import ScheduledRequestMetrics
-from stepscale_operator.load_types import implausible_passes, over_budget, tally_implausible
+from stepscale_operator.load_types import (
+    BUDGET_FACTOR,
+    BUDGET_FLOOR,
+    implausible_passes,
+    over_budget,
+    tally_implausible,
+)
+from stepscale_operator.pass_columns import (
+    SCHED_DECODE_KV,
+    SCHED_DECODE_REQS,
+    SCHED_FIELDS,
+    SCHED_PREFILL_KV,
+    SCHED_PREFILL_REQS,
+    SCHED_PREFILL_TOKENS,
+    SCHED_PREFILL_VAR,
+)
 from stepscale_operator.stream_state import StreamKey
 
 FloatArray = npt.NDArray[np.float64]
@@ -182,14 +197,6 @@ FloatArray = npt.NDArray[np.float64]
 SCHEMA = "stepscale.cost_model/v2"
 SCHEMA_V1 = "stepscale.cost_model/v1"  # the linear model's snapshots: refused
 
-# Column indices of a batch matrix in ScheduledRequestMetrics declaration order.
-SCHED_FIELDS: tuple[str, ...] = tuple(ScheduledRequestMetrics.__struct_fields__)
-COL_PREFILL_REQS = SCHED_FIELDS.index("num_prefill_requests")
-COL_PREFILL_TOKENS = SCHED_FIELDS.index("sum_prefill_tokens")
-COL_PREFILL_VAR = SCHED_FIELDS.index("var_prefill_length")
-COL_PREFILL_KV = SCHED_FIELDS.index("sum_prefill_kv_tokens")
-COL_DECODE_REQS = SCHED_FIELDS.index("num_decode_requests")
-COL_DECODE_KV = SCHED_FIELDS.index("sum_decode_kv_tokens")
 
 
 @dataclass(frozen=True)
@@ -346,10 +353,10 @@ def sched_matrix(scheds: Sequence[ScheduledRequestMetrics]) -> FloatArray:
 
 def feature_matrix(sched: FloatArray) -> FloatArray:
     """Raw-unit features (n, 7) from an (n, 7) composition matrix; see the module docstring."""
-    n_req = sched[:, COL_PREFILL_REQS]
-    c = sched[:, COL_PREFILL_TOKENS]
-    var = sched[:, COL_PREFILL_VAR]
-    k = sched[:, COL_PREFILL_KV]
+    n_req = sched[:, SCHED_PREFILL_REQS]
+    c = sched[:, SCHED_PREFILL_TOKENS]
+    var = sched[:, SCHED_PREFILL_VAR]
+    k = sched[:, SCHED_PREFILL_KV]
     safe_n = np.maximum(n_req, 1.0)
     c2 = c * c
     sum_c_sq = np.clip(safe_n * var + c2 / safe_n, c2 / safe_n, c2)
@@ -359,8 +366,8 @@ def feature_matrix(sched: FloatArray) -> FloatArray:
     x[:, 1] = c
     x[:, 2] = attention
     x[:, 3] = n_req
-    x[:, 4] = sched[:, COL_DECODE_REQS]
-    x[:, 5] = sched[:, COL_DECODE_KV]
+    x[:, 4] = sched[:, SCHED_DECODE_REQS]
+    x[:, 5] = sched[:, SCHED_DECODE_KV]
     x[:, 6] = np.where(c > 0, k, 0.0)
     return x
 
@@ -395,9 +402,9 @@ def _log_bin(values: FloatArray, base_log2: float, n_bins: int) -> npt.NDArray[n
 
 def bucket_ids(sched: FloatArray) -> npt.NDArray[np.int64]:
     """Coverage bucket of each row: log4 prefill tokens x log4 decode reqs x log8 context."""
-    c = sched[:, COL_PREFILL_TOKENS]
-    d = sched[:, COL_DECODE_REQS]
-    mean_ctx = sched[:, COL_DECODE_KV] / np.maximum(d, 1.0)
+    c = sched[:, SCHED_PREFILL_TOKENS]
+    d = sched[:, SCHED_DECODE_REQS]
+    mean_ctx = sched[:, SCHED_DECODE_KV] / np.maximum(d, 1.0)
     pb = _log_bin(c, 2.0, _P_BINS)
     db = _log_bin(d, 2.0, _D_BINS)
     kb = np.where(d > 0, _log_bin(mean_ctx, 3.0, _K_BINS), 0)
@@ -406,8 +413,8 @@ def bucket_ids(sched: FloatArray) -> npt.NDArray[np.int64]:
 
 def regime_ids(sched: FloatArray) -> npt.NDArray[np.int64]:
     """Index into :data:`REGIMES` of each row."""
-    has_p = sched[:, COL_PREFILL_TOKENS] > 0
-    has_d = sched[:, COL_DECODE_REQS] > 0
+    has_p = sched[:, SCHED_PREFILL_TOKENS] > 0
+    has_d = sched[:, SCHED_DECODE_REQS] > 0
     return np.where(has_p, np.where(has_d, 2, 0), np.where(has_d, 1, 3))
 
 
@@ -583,8 +590,8 @@ class CostModel:
         resolve_every: int = 16,
         resolve_every_ready: int = 256,
         robust_every: int = 64,
-        budget_factor: float = 4.0,
-        budget_floor: float = 65536.0,
+        budget_factor: float = BUDGET_FACTOR,
+        budget_floor: float = BUDGET_FLOOR,
         fast_factor: float = 10.0,
         max_chunk: int = 4096,  # a whole subscriber batch learned against one solve
         max_streams: int = 4096,
@@ -859,7 +866,7 @@ class CostModel:
         buckets = bucket_ids(sched)
         safe_pred = np.where(have_pred, pred, 1.0)
         log_res = np.where(have_pred, np.log(np.maximum(y, 1e-12) / safe_pred), np.nan)
-        used = sched[:, COL_PREFILL_TOKENS] + sched[:, COL_DECODE_REQS]
+        used = sched[:, SCHED_PREFILL_TOKENS] + sched[:, SCHED_DECODE_REQS]
         bad_input = self._implausible_input(sched, y, used, slot, slot_stats)
         fast = self._implausibly_fast(log_res, ~bad_input)
         learn = ~bad_input & ~fast
@@ -1199,8 +1206,8 @@ class CostModel:
     def _uncovered(self, sched: FloatArray) -> npt.NDArray[np.bool_]:
         """Rows of a regime (prefill- or decode-bearing) the model has not covered yet."""
         need = self.min_regime_samples
-        prefill = (sched[:, COL_PREFILL_TOKENS] > 0) & (self.prefill_bearing_samples < need)
-        decode = (sched[:, COL_DECODE_REQS] > 0) & (self.decode_bearing_samples < need)
+        prefill = (sched[:, SCHED_PREFILL_TOKENS] > 0) & (self.prefill_bearing_samples < need)
+        decode = (sched[:, SCHED_DECODE_REQS] > 0) & (self.decode_bearing_samples < need)
         return np.asarray(prefill | decode)
 
     def _track_reject_rate(

@@ -37,7 +37,8 @@ import numpy.typing as npt
 import zmq
 
 from stepscale_engine import wire
-from stepscale_operator.fpm_pipeline import (
+from stepscale_operator.fpm_pipeline import PassMatrices
+from stepscale_operator.pass_columns import (
     COL_COUNTER,
     COL_DP_RANK,
     COL_QUEUED,
@@ -45,7 +46,6 @@ from stepscale_operator.fpm_pipeline import (
     COL_VERSION,
     COL_WALL,
     N_NUMERIC,
-    PassMatrices,
 )
 from stepscale_operator.stream_state import StreamKey
 

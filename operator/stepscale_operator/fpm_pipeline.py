@@ -24,23 +24,21 @@ from msgspec.structs import astuple
 
 from stepscale_engine.wire import (
     ForwardPassMetrics,
-    QueuedRequestMetrics,
-    ScheduledRequestMetrics,
 )
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.load_estimate import LoadEstimator
 from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.pass_columns import (
+    COL_COUNTER,
+    COL_QUEUED,
+    COL_SCHED,
+    COL_WALL,
+    N_NUMERIC,
+)
 from stepscale_operator.stream_state import StreamKey, StreamTable, stream_label
 
 FloatArray = npt.NDArray[np.float64]
 
-N_SCHED = len(ScheduledRequestMetrics.__struct_fields__)
-N_QUEUED = len(QueuedRequestMetrics.__struct_fields__)
-# Row layout of PassMatrices.numeric: version, dp_rank, counter_id, wall_time, sched, queued.
-COL_VERSION, COL_DP_RANK, COL_COUNTER, COL_WALL = 0, 1, 2, 3
-COL_SCHED = 4
-COL_QUEUED = COL_SCHED + N_SCHED
-N_NUMERIC = COL_QUEUED + N_QUEUED
 _COUNTER_CAP = float(2**62)  # counters are exact in float64 far beyond any real stream
 
 
@@ -49,7 +47,7 @@ class PassMatrices:
     """A batch of messages as columns: every numeric field of every message."""
 
     keys: list[StreamKey]
-    numeric: FloatArray  # (n, N_NUMERIC), layout above
+    numeric: FloatArray  # (n, N_NUMERIC), layout in pass_columns
 
     @classmethod
     def from_messages(cls, msgs: Sequence[ForwardPassMetrics]) -> PassMatrices:

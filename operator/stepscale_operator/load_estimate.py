@@ -52,30 +52,33 @@ import numpy.typing as npt
 
 from stepscale_engine.wire import (
     ForwardPassMetrics,
-    QueuedRequestMetrics,
-    ScheduledRequestMetrics,
 )
 from stepscale_operator.load_types import (
+    BUDGET_FACTOR,
+    BUDGET_FLOOR,
     LoadEstimate,
     implausible_passes,
     over_budget,
     tally_implausible,
 )
+from stepscale_operator.pass_columns import (
+    QUEUED_DECODE_REQS,
+    QUEUED_FIELDS,
+    QUEUED_PREFILL_REQS,
+    QUEUED_PREFILL_TOKENS,
+    SCHED_DECODE_KV,
+    SCHED_DECODE_REQS,
+    SCHED_FIELDS,
+    SCHED_PREFILL_KV,
+    SCHED_PREFILL_REQS,
+    SCHED_PREFILL_TOKENS,
+)
 from stepscale_operator.stream_state import DEFAULT_STALE_AFTER_S, StreamKey, stream_label
 
 FloatArray = npt.NDArray[np.float64]
 
-_SCHED = tuple(ScheduledRequestMetrics.__struct_fields__)
-_QUEUED = tuple(QueuedRequestMetrics.__struct_fields__)
-_S_NPRE = _SCHED.index("num_prefill_requests")
-_S_CPRE = _SCHED.index("sum_prefill_tokens")
-_S_KPRE = _SCHED.index("sum_prefill_kv_tokens")
-_S_NDEC = _SCHED.index("num_decode_requests")
-_S_KVDEC = _SCHED.index("sum_decode_kv_tokens")
-_Q_NPRE = _QUEUED.index("num_prefill_requests")
-_Q_TPRE = _QUEUED.index("sum_prefill_tokens")
-_Q_NDEC = _QUEUED.index("num_decode_requests")
-_Q_COLS = [_Q_NPRE, _Q_TPRE, _Q_NDEC]  # what a stream's latest queue keeps
+# What a stream's latest queue keeps.
+_Q_COLS = [QUEUED_PREFILL_REQS, QUEUED_PREFILL_TOKENS, QUEUED_DECODE_REQS]
 
 # Columns of a per-bucket sum.
 (
@@ -135,7 +138,7 @@ def load_matrices(msgs: Sequence[ForwardPassMetrics]) -> tuple[FloatArray, Float
     from msgspec.structs import astuple
 
     if not msgs:
-        return np.zeros((0, len(_SCHED))), np.zeros((0, len(_QUEUED)))
+        return np.zeros((0, len(SCHED_FIELDS))), np.zeros((0, len(QUEUED_FIELDS)))
     sched = np.array([astuple(m.scheduled_requests) for m in msgs], dtype=np.float64)
     queued = np.array([astuple(m.queued_requests) for m in msgs], dtype=np.float64)
     return sched, queued
@@ -152,8 +155,8 @@ class LoadEstimator:
         bucket_s: float = 1.0,
         trend_subwindows: int = 6,
         max_streams: int = 4096,
-        budget_factor: float = 4.0,
-        budget_floor: float = 65536.0,
+        budget_factor: float = BUDGET_FACTOR,
+        budget_floor: float = BUDGET_FLOOR,
     ) -> None:
         if window_s <= 0 or bucket_s <= 0 or window_s < bucket_s:
             raise ValueError("need 0 < bucket_s <= window_s")
@@ -303,7 +306,7 @@ class LoadEstimator:
     ) -> npt.NDArray[np.bool_]:
         """Rows to learn from: within hard limits and their stream's token budget."""
         code = implausible_passes(sched, wall, queued)
-        used = sched[:, _S_CPRE] + sched[:, _S_NDEC]
+        used = sched[:, SCHED_PREFILL_TOKENS] + sched[:, SCHED_DECODE_REQS]
         beyond = (code == 0) & over_budget(
             used, self._budget[slot], self.budget_factor, self.budget_floor
         )
@@ -334,10 +337,10 @@ class LoadEstimator:
         self._q_time[streams] = now
 
         is_pass = w > 0
-        c = np.where(is_pass, s[:, _S_CPRE], 0.0)
-        k = np.where(is_pass, s[:, _S_KPRE], 0.0)
-        n_pre = np.where(is_pass, s[:, _S_NPRE], 0.0)
-        n_dec = np.where(is_pass, s[:, _S_NDEC], 0.0)
+        c = np.where(is_pass, s[:, SCHED_PREFILL_TOKENS], 0.0)
+        k = np.where(is_pass, s[:, SCHED_PREFILL_KV], 0.0)
+        n_pre = np.where(is_pass, s[:, SCHED_PREFILL_REQS], 0.0)
+        n_dec = np.where(is_pass, s[:, SCHED_DECODE_REQS], 0.0)
         used = c + n_dec
         budget = np.maximum(self._budget[streams], np.maximum.reduceat(used, starts))
         self._budget[streams] = budget
@@ -359,7 +362,7 @@ class LoadEstimator:
         cols[:, _PREFILL_CACHED] = np.where(prev_full, 0.0, k)
         cols[:, _PREFILL_FINISHED] = np.maximum(n_pre - full, 0.0)
         cols[:, _DECODE_TOKENS] = n_dec
-        cols[:, _DECODE_KV] = np.where(is_pass, s[:, _S_KVDEC], 0.0)
+        cols[:, _DECODE_KV] = np.where(is_pass, s[:, SCHED_DECODE_KV], 0.0)
         cols[:, _PROMPT_TOKENS_FINAL] = np.where(final, c + k, 0.0)
         cols[:, _PROMPT_REQS_FINAL] = np.where(final, n_pre, 0.0)
         cols[:, _PROMPT_TOKENS_ALL] = np.where(has_prefill, c + k, 0.0)

@@ -14,7 +14,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from stepscale_engine.wire import QueuedRequestMetrics, ScheduledRequestMetrics
+from stepscale_operator.pass_columns import (
+    QUEUED_DECODE_KV,
+    QUEUED_DECODE_REQS,
+    QUEUED_PREFILL_REQS,
+    QUEUED_PREFILL_TOKENS,
+    SCHED_DECODE_KV,
+    SCHED_DECODE_REQS,
+    SCHED_PREFILL_KV,
+    SCHED_PREFILL_REQS,
+    SCHED_PREFILL_TOKENS,
+)
 
 LoadValue = float | int | bool | list[str] | None
 
@@ -128,13 +138,8 @@ PASS_LIMITS = PassLimits()
 IMPLAUSIBLE_REASONS: tuple[str, ...] = ("", "size", "rate", "queue")
 """Reason of each code :func:`implausible_passes` returns (0: plausible)."""
 
-_S = tuple(ScheduledRequestMetrics.__struct_fields__)
-_Q = tuple(QueuedRequestMetrics.__struct_fields__)
-_S_NPRE, _S_CPRE = _S.index("num_prefill_requests"), _S.index("sum_prefill_tokens")
-_S_KPRE, _S_NDEC = _S.index("sum_prefill_kv_tokens"), _S.index("num_decode_requests")
-_S_KVDEC = _S.index("sum_decode_kv_tokens")
-_Q_REQS = [_Q.index("num_prefill_requests"), _Q.index("num_decode_requests")]
-_Q_TOKENS = [_Q.index("sum_prefill_tokens"), _Q.index("sum_decode_kv_tokens")]
+_Q_REQS = [QUEUED_PREFILL_REQS, QUEUED_DECODE_REQS]
+_Q_TOKENS = [QUEUED_PREFILL_TOKENS, QUEUED_DECODE_KV]
 
 
 def implausible_passes(
@@ -148,12 +153,13 @@ def implausible_passes(
     ``sched``/``queued`` are (n, 7)/(n, 6) matrices in wire field order; heartbeats
     (``wall == 0``) are judged on their sizes and queue only.
     """
-    tokens = sched[:, _S_CPRE] + sched[:, _S_NDEC]
-    kv = sched[:, _S_KPRE] + sched[:, _S_KVDEC]
+    tokens = sched[:, SCHED_PREFILL_TOKENS] + sched[:, SCHED_DECODE_REQS]
+    kv = sched[:, SCHED_PREFILL_KV] + sched[:, SCHED_DECODE_KV]
+    requests = np.maximum(sched[:, SCHED_PREFILL_REQS], sched[:, SCHED_DECODE_REQS])
     size = (
         (wall > limits.max_wall_time_s)
         | (tokens > limits.max_tokens)
-        | (np.maximum(sched[:, _S_NPRE], sched[:, _S_NDEC]) > limits.max_requests)
+        | (requests > limits.max_requests)
         | (kv > limits.max_kv_tokens)
     )
     is_pass = wall > 0.0
@@ -171,11 +177,17 @@ def implausible_passes(
     return code
 
 
+BUDGET_FACTOR = 4.0
+"""Default of :func:`over_budget`'s ``factor`` (the cost model and load estimator share it)."""
+BUDGET_FLOOR = 65536.0
+"""Default of :func:`over_budget`'s ``floor``, in tokens."""
+
+
 def over_budget(
     used: npt.NDArray[np.float64],
     budget: npt.NDArray[np.float64],
-    factor: float,
-    floor: float,
+    factor: float = BUDGET_FACTOR,
+    floor: float = BUDGET_FLOOR,
 ) -> npt.NDArray[np.bool_]:
     """Rows computing more than ``factor`` times their stream's budget (at least ``floor``).
 

@@ -45,12 +45,8 @@ from stepscale_engine import wire
 from stepscale_engine.rate_limited_log import RateLimitedLog
 from stepscale_engine.wire import DecodeError, ForwardPassMetrics, FrameError
 from stepscale_operator import fpm_native
-from stepscale_operator.fpm_pipeline import (
-    COL_COUNTER,
-    COL_VERSION,
-    MessageBatch,
-    PassMatrices,
-)
+from stepscale_operator.fpm_pipeline import MessageBatch, PassMatrices
+from stepscale_operator.pass_columns import COL_COUNTER, COL_VERSION
 from stepscale_operator.stream_state import StreamKey, StreamTable
 
 log = logging.getLogger(__name__)

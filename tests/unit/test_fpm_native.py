@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from stepscale_engine import wire
 from stepscale_operator import fpm_native
-from stepscale_operator.fpm_pipeline import N_NUMERIC, PassMatrices
+from stepscale_operator.fpm_pipeline import PassMatrices
+from stepscale_operator.pass_columns import N_NUMERIC
 from tests.unit.native_paths import use_receive_path
 
 

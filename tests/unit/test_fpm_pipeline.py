@@ -9,7 +9,8 @@ import pytest
 
 from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics, heartbeat
 from stepscale_operator.cost_model import CostModel
-from stepscale_operator.fpm_pipeline import COL_WALL, DeploymentModel, MessageBatch, PassMatrices
+from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch, PassMatrices
+from stepscale_operator.pass_columns import COL_WALL
 
 
 def _pass(worker: str, counter: int, n_dec: int, rank: int = 0) -> ForwardPassMetrics:
