@@ -859,7 +859,8 @@ class CostModel:
         x = feature_matrix(sched) / _SCALES
         ready = self.ready
         coef = self._coef
-        pred = roofline(x @ _P_ALL.T, coef) if coef is not None else np.full(y.shape[0], np.nan)
+        regressors = x @ _P_ALL.T
+        pred = roofline(regressors, coef) if coef is not None else np.full(y.shape[0], np.nan)
         have_pred = np.isfinite(pred) & (pred > 0)
         rel = np.where(have_pred, (y - pred) / np.where(have_pred, pred, 1.0), np.nan)
 
@@ -887,7 +888,7 @@ class CostModel:
         # not learned yet) and bias the fit high.
         w = weight / np.maximum(y, 1e-9) ** 2
 
-        self._accumulate(x, y, w, accepted, buckets, self._learning_side(x))
+        self._accumulate(x, y, w, accepted, buckets, self._learning_side(x, regressors))
         self._raise_budgets(used, accepted, slot, slot_stats)
 
         # Bookkeeping: regimes, residual scale, prequential window, per-stream residuals.
@@ -1002,8 +1003,9 @@ class CostModel:
         np.add.at(self._count, present_cells // 2, np.add.reduceat(age_weight[order], starts))
         self._sample_clock = t_end
 
-    def _learning_side(self, x: FloatArray) -> npt.NDArray[np.bool_]:
-        """Rows (scaled raw features) the roofline puts on its memory side now.
+    def _learning_side(self, x: FloatArray, regressors: FloatArray) -> npt.NDArray[np.bool_]:
+        """Rows the roofline puts on its memory side now (``x``: scaled raw features,
+        ``regressors``: ``x`` projected onto the regressors).
 
         It decides only which cell of its bucket a pass is learned into (the cell's
         side is re-decided at every solve), so a bucket that straddles the knee is
@@ -1012,7 +1014,7 @@ class CostModel:
         """
         coef = self._roof_coef
         if coef is not None and coef[_COMPUTE].any() and coef[_MEMORY].any():
-            return ~compute_side(x @ _P_ALL.T, coef)
+            return ~compute_side(regressors, coef)
         return np.asarray(x @ _TOKENS_SCALED <= KNEE_TOKENS)
 
     def _clock_step(self) -> float:

@@ -7,9 +7,7 @@ forward pass live here too: the cost model and the load estimator both apply the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -88,28 +86,6 @@ class LoadEstimate:
                 d[key] = None if key in self.unavailable else value
         d["complete"] = self.complete
         return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, object]) -> LoadEstimate:
-        """Inverse of :meth:`to_dict` (nulls become 0.0 and are listed as unavailable)."""
-        values: dict[str, Any] = {}
-        unavailable = set()
-        for f in fields(cls):
-            if f.name in ("unavailable", "missing_streams") or f.name not in d:
-                continue
-            value = d[f.name]
-            if value is None:
-                unavailable.add(f.name)
-                value = 0.0
-            values[f.name] = value
-        missing = d.get("missing_streams") or ()
-        if not isinstance(missing, list | tuple):
-            raise ValueError("missing_streams must be a list of stream names")
-        return cls(
-            **values,
-            missing_streams=tuple(str(m) for m in missing),
-            unavailable=frozenset(unavailable),
-        )
 
 
 # -- plausibility of one forward pass ----------------------------------------------

@@ -90,7 +90,6 @@ class StreamState:
 class ObserveResult:
     """What one batch changed, for consumers that react to restarts or must skip duplicates."""
 
-    accepted: int  # messages counted (duplicates excluded)
     restarted: tuple[StreamKey, ...]  # streams that restarted within the batch
     new: tuple[StreamKey, ...]  # streams seen for the first time
     # Per input message, in input order: False for a duplicate (already counted).
@@ -190,7 +189,7 @@ class StreamTable:
         """
         n = len(keys)
         if n == 0:
-            return ObserveResult(0, (), (), np.zeros(0, dtype=bool))
+            return ObserveResult((), (), np.zeros(0, dtype=bool))
         first_pos: dict[StreamKey, int] = {}
         pos = np.fromiter(map(first_pos.setdefault, keys, range(n)), np.int64, n)
         uniq, slot = np.unique(pos, return_inverse=True)
@@ -263,7 +262,7 @@ class StreamTable:
                 state.last_pass_time = now
         mask = np.empty(n, dtype=bool)
         mask[order] = counted
-        return ObserveResult(int(counted.sum()), tuple(restarted), tuple(new), mask)
+        return ObserveResult(tuple(restarted), tuple(new), mask)
 
     def record_rejected(self, reason: FrameError, key: StreamKey | None = None) -> None:
         """Count one rejected frame, against its stream when the identity is known."""
