@@ -38,7 +38,10 @@ per-request data), documented here because the planner relies on them:
 * Trends. Least-squares slope over ``trend_subwindows`` equal parts of the window,
   of the token rates and of the mean queues; and the end-to-end change of the
   queued prefill tokens (oldest part's mean to now), which with the served rate
-  gives the arrivals by mass balance.
+  gives the arrivals by mass balance; and the same balance over the newest part
+  only (``prefill_demand_tokens_per_s_recent``), which sees a step in the
+  arrivals within seconds, while the window's still averages it with the load
+  before.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ _TREND_FIELDS = frozenset(
         "queued_prefill_tokens_trend",
         "queued_decode_requests_trend",
         "queued_prefill_tokens_change_per_s",
+        "prefill_demand_tokens_per_s_recent",
     }
 )
 
@@ -433,8 +437,8 @@ class LoadEstimator:
         found = self._trends(ids, in_window, sums, partial.sum(axis=0), now, bucket, queued[1])
         if found is None:
             unavailable |= _TREND_FIELDS
-            found = (np.zeros(len(_TREND_COLS)), 0.0)
-        trends, prefill_queue_change = found
+            found = (np.zeros(len(_TREND_COLS)), 0.0, 0.0)
+        trends, prefill_queue_change, recent_demand = found
         return LoadEstimate(
             window_s=self.window_s,
             streams_total=len(keys),
@@ -457,6 +461,7 @@ class LoadEstimator:
             queued_decode_requests_mean=float(rates[_QS_DECODE_REQS]),
             queued_prefill_tokens_trend=float(trends[2]),
             queued_prefill_tokens_change_per_s=prefill_queue_change,
+            prefill_demand_tokens_per_s_recent=recent_demand,
             queued_decode_requests_trend=float(trends[3]),
             missing_streams=missing,
             unavailable=frozenset(unavailable),
@@ -471,9 +476,10 @@ class LoadEstimator:
         now: float,
         bucket: int,
         latest_prefill_queue: float,
-    ) -> tuple[FloatArray, float] | None:
+    ) -> tuple[FloatArray, float, float] | None:
         """Least-squares slopes of the :data:`_TREND_COLS` fleet rates over equal
-        sub-windows, and the end-to-end change of the queued prefill tokens.
+        sub-windows, the end-to-end change of the queued prefill tokens, and the
+        recent prefill demand (served plus queue growth over the newest one).
 
         Per second (tokens/s per second for rates, queue units per second for the
         mean queues and the change); None when fewer than two sub-windows have data.
@@ -499,20 +505,28 @@ class LoadEstimator:
                 picked = picked + partial[_TREND_COLS]
             if duration < 0.5 * self.bucket_s:
                 continue  # too short to give a meaningful rate
-            centers.append(now - (j + 0.5) * per_sub * self.bucket_s)
+            # The newest one ends now (partly elapsed); the others are whole.
+            end = now - j * per_sub * self.bucket_s if j else now
+            centers.append(end - 0.5 * duration)
             values.append(picked / duration)
         if len(centers) < 2:
             return None
         # End to end: from the oldest sub-window's mean queue to the queue now (the
         # mass balance arrivals = served + queue change needs the actual change,
         # which a slope through a queue that rose and fell understates).
-        oldest_queue = float(values[-1][_TREND_COLS.index(_QS_PREFILL_TOKENS)])
+        queue_col = _TREND_COLS.index(_QS_PREFILL_TOKENS)
+        served_col = _TREND_COLS.index(_PREFILL_TOKENS)
+        oldest_queue = float(values[-1][queue_col])
         change = (latest_prefill_queue - oldest_queue) / (now - centers[-1])
+        # The same balance over the newest sub-window: served there, plus the queue's
+        # growth from its mean (held at its centre) to now.
+        recent_growth = (latest_prefill_queue - float(values[0][queue_col])) / (now - centers[0])
+        recent_demand = max(float(values[0][served_col]) + recent_growth, 0.0)
         t = np.asarray(centers)
         t = t - t.mean()
         v = np.asarray(values)  # (subs, cols)
         slopes = (t[:, None] * (v - v.mean(axis=0))).sum(axis=0) / float((t * t).sum())
-        return np.asarray(slopes), change
+        return np.asarray(slopes), change, recent_demand
 
 
 def _ratio(num: float, den: float) -> float | None:

@@ -41,10 +41,16 @@ for the load expected one pod start-up ahead. On top of that:
   the last few decisions (a noisy one-window trend is ignored) and as far as the
   demand's slope over the last two minutes supports it, capped.
 * Bursts: a need that jumps by ``burst_ratio`` within one start-up horizon rose
-  faster than pods can start; its peak (on the queue-corrected demand) is kept for
-  ``burst_memory_s`` so a recurring burst finds its capacity already there.
+  faster than pods can start; its peak (on the queue-corrected demand, counted
+  from the low point it rose from) is kept for ``burst_memory_s`` so a recurring
+  burst finds its capacity already there. The planner's own first horizon (load
+  windows and batches still filling) is no burst.
 * Scale-down: survivors must carry the measured load within the SLO less the
-  margin plus hysteresis, for the whole stabilization window.
+  margin plus hysteresis, for the whole stabilization window; the window
+  remembers those measured floors, not the look-ahead's needs (the forecast counts
+  for the decision at hand). The measured load is taken at the heavier of its
+  own request mix and the mean mix over ``mix_memory_s``: a light mix passes, and
+  the usual one returns at the same request rate faster than pods start.
 """
 
 from __future__ import annotations
@@ -123,7 +129,17 @@ class PlannerPolicy:
     max_model_error_margin: float = 0.15
     max_surge: int = 8  # replicas added by one decision at most
     scale_down_step: int = 1  # replicas removed by one decision at most
-    scale_down_stabilization_s: float = 300.0  # HPA's default scale-down window
+    # Scale-down waits until every recommendation of this window allows it. HPA's
+    # default is 300 s, for a rule that sees one metric; here each recommendation
+    # already requires the survivors within the SLO less margin plus hysteresis on
+    # the heavier request mix, so a shorter window suffices (Azure trace: 300 s held
+    # ~2 replicas above the oracle through the whole peak, 1.28x vs 1.13x its
+    # GPU-hours, at 99.8% vs 99.6% attainment).
+    scale_down_stabilization_s: float = 120.0
+    # A planner that has just started has not seen how the load varies: no scale-down
+    # before it has decided for this long (with 120 s from the start, the Azure
+    # trace's first minutes fell to 83% attainment).
+    initial_hold_s: float = 300.0
     starting_timeout_s: float = 600.0  # a pod starting longer than this is not counted
     max_load_age_s: float = 30.0  # older load estimates are stale
     lookahead_extra_s: float = 10.0  # added to the pod start-up time (one decision period)
@@ -149,8 +165,10 @@ class PlannerPolicy:
     # (kube-proxy) leaves each replica Poisson (CV^2 = 1).
     balanced_routing: bool = True
     # The ITL tail is set by short requests: plan for one with this share of the
-    # mean output length (calibrated on simulated Azure-like traffic).
-    itl_tail_output_fraction: float = 0.14
+    # mean output length. Calibrated so the predicted p99 ITL of a 30 s window is
+    # unbiased against the simulation (median signed error +0.4% on the Azure
+    # trace); 0.14 over-predicted it by 11%, i.e. ~10% more replicas than the SLO needs.
+    itl_tail_output_fraction: float = 0.25
     min_itl_tail_tokens: float = 4.0
     queue_per_replica_target: float = 4.0  # queue rule used before the model is ready
     # Backlog: the load estimate measures what was *served*; when the fleet falls
@@ -166,6 +184,13 @@ class PlannerPolicy:
     # start, so reacting cannot serve it. After one, keep the peak need for
     # ``burst_memory_s`` (scale-down waits that long instead of the stabilization
     # window) so a recurring burst finds its capacity already there.
+    # The request mix (tokens per request) changes without the request rate
+    # changing, and a heavier mix can return within seconds: on the Azure
+    # conversation trace the mean prompt went from ~830 to ~1240 tokens in 30 s at
+    # an unchanged request rate, faster than pods start. Scale-down judges the
+    # survivors on the measured request rate at the heavier of the recent mix and
+    # the mean mix over this long a history (0: the recent mix only).
+    mix_memory_s: float = 900.0
     burst_ratio: float = 1.6
     burst_min_step: int = 3
     burst_memory_s: float = 900.0
@@ -504,8 +529,11 @@ class Planner:
         self._first_decision_time: float | None = None
         self._needs: list[_Recommendation] = []  # need on the measured demand, for bursts
         self._last_burst: float | None = None
+        self._burst_began = 0.0  # when the last burst's rise began (its low point)
         self._demand_history: list[tuple[float, float]] = []  # (time, measured demand rate)
         self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
+        # (time, prefill tokens per request, decode tokens per request), for the mix memory
+        self._mix: list[tuple[float, float, float]] = []
 
     def decide(self, inputs: PlannerInputs, now: float) -> Decision:
         """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``)."""
@@ -601,8 +629,11 @@ class Planner:
             )
             # Removing capacity is judged on the measured load, not on a forecast:
             # survivors must carry today's load with the wider margin.
+            survivors_load = self._with_heavier_mix(measured, now, record)
             down_ok, _ = smallest_replicas_within_slo(
-                lambda n: prediction(n, measured).within(inputs.slo, margin + policy.hysteresis),
+                lambda n: prediction(n, survivors_load).within(
+                    inputs.slo, margin + policy.hysteresis
+                ),
                 1,
                 search_high,
             )
@@ -612,15 +643,22 @@ class Planner:
             measured_need, _ = smallest_replicas_within_slo(
                 lambda n: prediction(n, steady).within(inputs.slo, margin), 1, search_high
             )
-            down_ok = max(down_ok, needed)
         # Bursts are judged, and remembered, on the measured load's need: not on a
         # forecast or a backlog allowance, which would keep an overshoot.
         burst_floor = self._burst_floor(now, measured_need, horizon, record)
+        # What the stabilization window remembers: the measured load's floor (and a
+        # burst's peak). The forecast's need counts for the decision at hand only:
+        # remembered, the window's maximum of a noisy look-ahead would add its
+        # headroom on top of the look-ahead's own (on the Azure trace the held count
+        # sat 1-2 replicas above what any measured window needed).
+        measured_floor = max(down_ok, burst_floor)
+        down_ok = max(down_ok, needed)
         load_floor = max(down_ok + timed_out, lo)
         down_ok = max(down_ok, burst_floor)
         needed = min(needed + backlog_replicas, search_high)
         record["needed_replicas"] = needed
         record["scale_down_floor"] = down_ok
+        record["measured_floor"] = measured_floor
         confidence = max(0.0, 1.0 - 2.0 * mape) * (1.0 if reachable else 0.5)
 
         if needed + timed_out > total or total < lo:
@@ -659,12 +697,14 @@ class Planner:
             )
 
         candidate = max(down_ok + timed_out, lo)
-        self._remember(now, candidate)
+        self._remember(now, max(measured_floor + timed_out, lo))
         stabilised = max(r.replicas for r in self._history)
-        window_covered = now - self._first_decision_time >= policy.scale_down_stabilization_s
+        window_covered = now - self._first_decision_time >= max(
+            policy.scale_down_stabilization_s, policy.initial_hold_s
+        )
         record["stabilised_recommendation"] = stabilised
         if candidate < total and window_covered and stabilised < total:
-            desired = max(stabilised, total - policy.scale_down_step, lo)
+            desired = max(stabilised, candidate, total - policy.scale_down_step, lo)
             n_after = desired - timed_out
             why = (
                 f"scale down {total} -> {desired}: the measured load split over {n_after} "
@@ -742,6 +782,43 @@ class Planner:
             return ahead
         return with_demand(measured, max(held, floor))
 
+    def _with_heavier_mix(
+        self, load: LoadEstimate, now: float, record: dict[str, object]
+    ) -> LoadEstimate:
+        """``load`` at its request rate, with the heavier of its own request mix and
+        the mean mix over ``mix_memory_s`` (prefill and decode tokens per request).
+
+        Only scale-down is judged on it: a mix lighter than usual lets the fleet
+        shrink, and the usual one coming back at the same request rate is a rise
+        faster than pods start. The mean, not the peak, of the history: one window's
+        heavy prompts are noise, the usual mix is what returns.
+        """
+        window = self.policy.mix_memory_s
+        rate = load.prefill_requests_per_s
+        record["mix_ratio"] = None
+        if window <= 0.0 or rate <= 0.0:
+            return load
+        prefill_each = load.prefill_tokens_per_s / rate
+        decode_each = load.decode_tokens_per_s / rate
+        self._mix.append((now, prefill_each, decode_each))
+        self._mix = [m for m in self._mix if m[0] >= now - window]
+        usual_prefill = sum(m[1] for m in self._mix) / len(self._mix)
+        usual_decode = sum(m[2] for m in self._mix) / len(self._mix)
+        prefill_ratio = max(usual_prefill / prefill_each, 1.0) if prefill_each > 0.0 else 1.0
+        decode_ratio = max(usual_decode / decode_each, 1.0) if decode_each > 0.0 else 1.0
+        record["mix_ratio"] = {"prefill": prefill_ratio, "decode": decode_ratio}
+        if prefill_ratio == 1.0 and decode_ratio == 1.0:
+            return load
+        return replace(
+            load,
+            prefill_tokens_per_s=load.prefill_tokens_per_s * prefill_ratio,
+            prefill_cached_tokens_per_s=load.prefill_cached_tokens_per_s * prefill_ratio,
+            mean_prompt_tokens=load.mean_prompt_tokens * prefill_ratio,
+            # The decode context is mostly the prompt: it scales with it.
+            mean_decode_context_tokens=load.mean_decode_context_tokens * prefill_ratio,
+            decode_tokens_per_s=load.decode_tokens_per_s * decode_ratio,
+        )
+
     def _long_trend_ratio(self, rate: float, horizon: float, now: float) -> float | None:
         """How far the measured demand's slope over ``trend_history_s`` raises it by
         ``horizon`` (>= 1); None until half that history is known.
@@ -788,6 +865,9 @@ class Planner:
         # queue changes are the noise of normal batching.
         if recent > trigger and served > 0.0:
             ratio = (served + growth) / served
+            # A step in the arrivals shows in the newest seconds' balance long before
+            # the window's: react to it (rises only; a drain is judged on the window).
+            ratio = max(ratio, load.prefill_demand_tokens_per_s_recent / served)
             ratio = min(max(ratio, 1.0 / policy.max_demand_ratio), policy.max_demand_ratio)
         if queued > trigger:
             drain = policy.backlog_drain_s or max(inputs.pod_startup_s, 1.0)
@@ -801,8 +881,11 @@ class Planner:
     def _burst_floor(
         self, now: float, needed: int, horizon: float, record: dict[str, object]
     ) -> int:
-        """Peak need over the burst memory after a burst; 0 when none was seen.
+        """Peak need of the last burst, for the burst memory after it; 0 when none.
 
+        The peak counts from the low point the burst rose from: a higher need met
+        before the burst (an earlier daily peak) is not what a recurring burst
+        needs, and keeping it would hold capacity no burst asked for.
         ``needed`` is sized on the demand (served load corrected by the queue's
         growth or drain), so a backlog draining after the burst does not inflate it.
         """
@@ -810,14 +893,23 @@ class Planner:
         self._needs.append(_Recommendation(now, needed))
         keep = max(policy.burst_memory_s, horizon)
         self._needs = [r for r in self._needs if r.time >= now - keep]
-        before = [r.replicas for r in self._needs if r.time >= now - horizon]
-        low = min(before) if before else needed
+        # The low point must be a need judged after one horizon on the model: over
+        # the planner's first horizon the load estimate's window and the fleet's
+        # batches are still filling, and the need rising with them is its own
+        # warm-up, not a burst (on the Azure trace it held the start-up's need
+        # for 15 minutes).
+        first = self._first_decision_time if self._first_decision_time is not None else now
+        warmed = first + horizon
+        before = [r for r in self._needs if r.time >= max(now - horizon, warmed)]
+        low = min(r.replicas for r in before) if before else needed
         if needed - low >= policy.burst_min_step and needed >= policy.burst_ratio * max(low, 1):
             self._last_burst = now
+            # The rise began after the last time the need was at its low.
+            self._burst_began = max(r.time for r in before if r.replicas == low)
         record["burst_seen_s_ago"] = None if self._last_burst is None else now - self._last_burst
         if self._last_burst is None or now - self._last_burst > policy.burst_memory_s:
             return 0
-        return max(r.replicas for r in self._needs if r.time >= now - policy.burst_memory_s)
+        return max(r.replicas for r in self._needs if r.time >= self._burst_began)
 
     def _stale_reason(self, inputs: PlannerInputs, now: float) -> str:
         load = inputs.load

@@ -248,7 +248,7 @@ def vd_body(name: str, **autoscaling: Any) -> dict[str, Any]:
         "intervalSeconds": 1,
         "startupSeconds": 1,
         "slo": {"ttftMs": 2000, "itlMs": 10},
-        "scaleDown": {"stabilizationWindowSeconds": 2},
+        "scaleDown": {"stabilizationWindowSeconds": 2, "initialHoldSeconds": 0},
         "metrics": {"windowSeconds": 3, "staleAfterSeconds": 2},
         "costModel": {"warmupPasses": 2, "minSamples": 60},
     }

@@ -276,9 +276,8 @@ async def test_restart_warm_starts_from_status_and_does_not_flap(api, cluster: F
     cluster.load.decode_tokens_per_s = HIGH_DEMAND
     async with cluster.following("chat"):
         async with operator_running(api):
-            await create(
-                api, vd_path(), vd_body("chat", scaleDown={"stabilizationWindowSeconds": 5})
-            )
+            scale_down = {"stabilizationWindowSeconds": 5, "initialHoldSeconds": 0}
+            await create(api, vd_path(), vd_body("chat", scaleDown=scale_down))
 
             def steady() -> bool:
                 st = status_of(api, "chat")

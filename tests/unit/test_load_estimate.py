@@ -262,6 +262,26 @@ def test_queue_change_over_the_window_gives_arrivals_by_mass_balance() -> None:
     assert load.queued_prefill_tokens_trend > change  # the slope misses the drop
 
 
+def test_recent_demand_sees_a_step_the_window_still_averages() -> None:
+    # A saturated engine serves 2,000 prefill tokens/s throughout; from t=25 s the
+    # arrivals step up and its queue grows by 6,000 tokens/s. At t=30 s the window's
+    # balance (served + change since its oldest part) still averages the step with
+    # the 25 s before it; the newest sub-windows' balance shows the 8,000 arriving.
+    est = LoadEstimator(window_s=30.0)
+    prefill = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=200)
+    for step in range(300):
+        t = step * 0.1
+        level = 1_000 + (6_000 * (t - 25.0) if t > 25.0 else 0.0)
+        q = QueuedRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=int(level))
+        est.observe(_msg(step, prefill, queued=q), t)
+    load = est.estimate(30.0)
+    assert load.prefill_tokens_per_s == pytest.approx(2_000.0, rel=0.05)
+    window_demand = load.prefill_tokens_per_s + load.queued_prefill_tokens_change_per_s
+    assert window_demand < 4_000.0
+    assert load.prefill_demand_tokens_per_s_recent == pytest.approx(8_000.0, rel=0.25)
+    assert "prefill_demand_tokens_per_s_recent" not in load.unavailable
+
+
 def test_queue_mean_smooths_a_burst_that_has_drained() -> None:
     est = LoadEstimator(window_s=30.0)
     q = QueuedRequestMetrics(num_prefill_requests=100, sum_prefill_tokens=10_000)

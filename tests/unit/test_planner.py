@@ -179,13 +179,13 @@ def test_missing_or_stale_metrics_hold_and_never_scale_down() -> None:
         inputs_for(tiny, 8, now=1000.0, load_age_s=600.0),
         inputs_for(replace(tiny, streams_missing=1), 8, now=1000.0),
     ):
-        planner = Planner(PlannerPolicy(scale_down_stabilization_s=0.0))
+        planner = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=0.0))
         decision = planner.decide(inputs, now=1000.0)
         assert decision.desired_replicas == 8
         assert decision.action == "hold" and not decision.apply
         assert decision.reason.startswith("hold")
     # The same tiny load with fresh, complete metrics does scale down.
-    planner = Planner(PlannerPolicy(scale_down_stabilization_s=0.0))
+    planner = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=0.0))
     assert planner.decide(inputs_for(tiny, 8, now=1000.0), now=1000.0).desired_replicas < 8
 
 
@@ -194,7 +194,7 @@ def test_model_not_ready_queue_rule_scales_up_never_down() -> None:
     busy = planner.decide(inputs_for(load_of(5.0, queued=40.0), 2, model_ready=False), now=0.0)
     assert busy.action == "scale_up"
     assert busy.desired_replicas == 10  # 20 queued per replica / target 4 -> 5x
-    idle_planner = Planner(PlannerPolicy(scale_down_stabilization_s=0.0))
+    idle_planner = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=0.0))
     for t in range(0, 1000, 10):
         idle = idle_planner.decide(inputs_for(load_of(0.1), 10, model_ready=False), now=t)
         assert idle.desired_replicas == 10
@@ -218,7 +218,7 @@ def test_scale_up_to_needed_count_in_one_decision_bounded_by_surge() -> None:
 
 
 def test_scale_down_only_when_survivors_fit_and_after_the_window() -> None:
-    policy = PlannerPolicy(scale_down_stabilization_s=120.0)
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=120.0)
     load = load_of(30.0)
     need = needed_for(load, policy)
     planner = Planner(policy)
@@ -243,14 +243,17 @@ def test_scale_down_only_when_survivors_fit_and_after_the_window() -> None:
 
 
 def test_a_recent_peak_blocks_scale_down_for_the_window() -> None:
-    policy = PlannerPolicy(scale_down_stabilization_s=100.0)
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=100.0)
     planner = Planner(policy)
     low, high = load_of(10.0), load_of(120.0)
     planner.decide(inputs_for(low, 9, now=0.0), now=0.0)
     peak = planner.decide(inputs_for(high, 9, now=150.0), now=150.0)
     total = peak.desired_replicas
-    peak_floor = peak.inputs["scale_down_floor"]
-    assert isinstance(peak_floor, int) and peak_floor >= needed_for(high)
+    # The window remembers what the peak's measured load needed (survivors within
+    # the SLO less margin and hysteresis), not the look-ahead's headroom on it: the
+    # peak's decision held at 9 for a planned need above this floor.
+    peak_floor = peak.inputs["measured_floor"]
+    assert isinstance(peak_floor, int) and needed_for(low) < peak_floor <= needed_for(high)
     # The low load alone would allow far fewer, but the peak is in the window.
     for t in range(160, 250, 10):
         d = planner.decide(inputs_for(low, total, now=t), now=t)
@@ -263,7 +266,7 @@ def test_a_recent_peak_blocks_scale_down_for_the_window() -> None:
 
 def test_no_flapping_under_steady_noisy_load() -> None:
     rng = random.Random(7)
-    planner = Planner(PlannerPolicy(scale_down_stabilization_s=60.0))
+    planner = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0))
     replicas = 1
     changes: list[int] = []
     for i in range(300):
@@ -326,7 +329,7 @@ def test_decision_is_explainable_and_json_able() -> None:
 
 def test_deterministic() -> None:
     def run() -> list[int]:
-        planner = Planner(PlannerPolicy(scale_down_stabilization_s=30.0))
+        planner = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=30.0))
         out = []
         replicas = 3
         for i in range(50):
@@ -367,6 +370,42 @@ def test_queued_backlog_scales_up_beyond_the_served_load() -> None:
     assert growing.desired_replicas >= needed_for(load_of(60.0))
 
 
+def test_a_step_in_arrivals_is_sized_from_the_newest_seconds() -> None:
+    # 10 s into a step from 40 to 100 req/s the window's balance still averages the
+    # step with the load before (served 40 + growth 10 = 1.25x); the newest seconds'
+    # balance already shows the 100 req/s (2.5x). Sized for the step at once.
+    base = needed_for(load_of(40.0))
+    step = replace(
+        load_of(40.0, queued=120.0),
+        queued_prefill_tokens_change_per_s=10_000.0,
+        prefill_demand_tokens_per_s_recent=100_000.0,
+    )
+    decision = Planner().decide(inputs_for(step, base, now=0.0), now=0.0)
+    assert decision.inputs["demand_ratio"] == pytest.approx(2.5)
+    assert decision.desired_replicas >= needed_for(load_of(100.0))
+    # A draining queue's newest seconds do not lower the window's demand further.
+    draining = replace(
+        load_of(60.0, queued=150.0),
+        queued_prefill_tokens_change_per_s=-20_000.0,
+        prefill_demand_tokens_per_s_recent=10_000.0,
+    )
+    drained = Planner().decide(inputs_for(draining, base, now=0.0), now=0.0)
+    assert drained.inputs["demand_ratio"] == pytest.approx(40.0 / 60.0)
+
+
+def test_no_scale_down_before_the_initial_hold() -> None:
+    # A planner that just started (or an operator that restarted) has not seen the
+    # load vary: it removes nothing for initial_hold_s, however short the window.
+    policy = PlannerPolicy(scale_down_stabilization_s=30.0, initial_hold_s=300.0)
+    planner = Planner(policy)
+    tiny = load_of(0.5)
+    for t in range(0, 300, 10):
+        d = planner.decide(inputs_for(tiny, 8, now=float(t)), now=float(t))
+        assert (d.action, d.desired_replicas) == ("hold", 8), t
+    d = planner.decide(inputs_for(tiny, 8, now=300.0), now=300.0)
+    assert d.action == "scale_down" and d.desired_replicas == 7
+
+
 def test_a_draining_backlog_is_not_mistaken_for_more_demand() -> None:
     # After a burst, new replicas drain the queue: the fleet serves 60 req/s of
     # prompts while only 40 arrive and the queue shrinks by 20 a second, and the
@@ -390,7 +429,9 @@ def test_a_draining_backlog_is_not_mistaken_for_more_demand() -> None:
 
 
 def test_a_burst_faster_than_startup_keeps_its_peak_for_the_burst_memory() -> None:
-    policy = PlannerPolicy(scale_down_stabilization_s=60.0, burst_memory_s=600.0)
+    policy = PlannerPolicy(
+        initial_hold_s=0.0, scale_down_stabilization_s=60.0, burst_memory_s=600.0
+    )
     planner = Planner(policy)
     low, high = load_of(20.0), load_of(100.0)
     total = needed_for(low, policy)
@@ -456,7 +497,9 @@ def test_holds_never_go_below_the_current_count_and_clamping_to_max_is_its_own_r
     queue_rule = inputs_for(tiny, 10, now=1000.0, model_ready=False, max_replicas=6)
     fresh = inputs_for(tiny, 10, now=1000.0, max_replicas=6)
     for inputs in (stale, missing, queue_rule, fresh):
-        d = Planner(PlannerPolicy(scale_down_stabilization_s=0.0)).decide(inputs, now=1000.0)
+        d = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=0.0)).decide(
+            inputs, now=1000.0
+        )
         # maxReplicas lowered below the fleet: a spec change, applied whatever the data,
         # and never labelled a hold.
         assert d.action == "scale_down" and d.desired_replicas == 6
@@ -467,7 +510,9 @@ def test_holds_never_go_below_the_current_count_and_clamping_to_max_is_its_own_r
         replace(missing, max_replicas=50),
         replace(queue_rule, max_replicas=50),
     ):
-        d = Planner(PlannerPolicy(scale_down_stabilization_s=0.0)).decide(inputs, now=1000.0)
+        d = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=0.0)).decide(
+            inputs, now=1000.0
+        )
         assert (d.action, d.desired_replicas) == ("hold", 10) and d.reason.startswith("hold")
     # Below minReplicas, the bound raises the count, and says so.
     d = Planner().decide(replace(stale, min_replicas=12, max_replicas=50), now=1000.0)
@@ -507,7 +552,7 @@ def test_both_predictions_of_a_decision_use_the_same_named_load() -> None:
     )
     # Scale-down: judged, and reported, on the measured load.
     measured = load_of(10.0)
-    down = Planner(PlannerPolicy(scale_down_stabilization_s=0.0)).decide(
+    down = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=0.0)).decide(
         inputs_for(measured, 8), now=0.0
     )
     assert down.action == "scale_down" and down.inputs["predictions_load"] == "measured"
@@ -527,7 +572,7 @@ def test_with_no_ready_replica_the_current_prediction_is_infeasible_not_one_repl
 
 
 def test_scale_down_reason_is_worded_from_the_actual_counts() -> None:
-    policy = PlannerPolicy(scale_down_stabilization_s=0.0, scale_down_step=3)
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=0.0, scale_down_step=3)
     d = Planner(policy).decide(inputs_for(load_of(5.0), 10), now=0.0)
     assert d.action == "scale_down" and d.desired_replicas == 7
     assert "10 -> 7" in d.reason and "over 7 replicas" in d.reason
@@ -610,3 +655,70 @@ def test_look_ahead_needs_the_rise_to_show_over_minutes_too() -> None:
     assert isinstance(long_ratio, float) and long_ratio > 1.2
     forecast = d.inputs["forecast_ratio"]
     assert isinstance(forecast, float) and forecast > PlannerPolicy().min_lookahead_ratio
+
+
+# -- what scale-down and the burst memory remember ------------------------------------
+
+
+def _run_steady(
+    planner: Planner, load: LoadEstimate, total: int, start: float, end: float
+) -> tuple[int, float]:
+    """Decisions every 10 s from ``start`` to ``end`` on one load; (count, time) after."""
+    t = start
+    while t < end:
+        total = planner.decide(inputs_for(load, total, now=t), now=t).desired_replicas
+        t += 10.0
+    return total, t
+
+
+def test_scale_down_judges_survivors_on_the_usual_mix_not_a_passing_light_one() -> None:
+    # Same request rate; the prompts get three times shorter for a while.
+    usual, light = load_of(60.0, prompt=1500.0), load_of(60.0, prompt=500.0)
+    assert needed_for(light) < needed_for(usual)
+    for memory_s, keeps_usual in ((900.0, True), (0.0, False)):
+        policy = PlannerPolicy(
+            initial_hold_s=0.0, scale_down_stabilization_s=60.0, mix_memory_s=memory_s
+        )
+        planner = Planner(policy)
+        total, t = _run_steady(planner, usual, needed_for(usual, policy), 0.0, 600.0)
+        start = total
+        total, t = _run_steady(planner, light, total, t, t + 300.0)
+        if keeps_usual:
+            # The usual mix can return at the same request rate faster than pods start.
+            assert total >= needed_for(usual, policy) - 1 and total > needed_for(light, policy)
+        else:
+            assert total < start
+    # The mix memory never adds capacity: a fleet sized for the light mix holds.
+    planner = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0))
+    _run_steady(planner, usual, needed_for(usual), 0.0, 600.0)
+    small = needed_for(light)
+    d = planner.decide(inputs_for(light, small, now=600.0), now=600.0)
+    assert d.desired_replicas == small and d.action == "hold"
+
+
+def test_the_burst_memory_keeps_the_bursts_peak_not_an_earlier_higher_need() -> None:
+    policy = PlannerPolicy(
+        initial_hold_s=0.0, scale_down_stabilization_s=60.0, burst_memory_s=900.0
+    )
+    planner = Planner(policy)
+    high, low, burst = load_of(150.0), load_of(20.0), load_of(100.0)
+    total, t = _run_steady(planner, high, needed_for(high, policy), 0.0, 100.0)
+    total, t = _run_steady(planner, low, total, t, 400.0)
+    assert total == needed_for(low, policy)
+    peak = planner.decide(inputs_for(burst, total, now=t), now=t)
+    assert peak.inputs["burst_seen_s_ago"] == 0.0
+    total, t = _run_steady(planner, low, peak.desired_replicas, t + 10.0, t + 300.0)
+    # Held at the burst's own need, not at the older, higher one within the memory.
+    assert total == peak.desired_replicas < needed_for(high, policy)
+
+
+def test_the_planners_own_warm_up_is_not_a_burst() -> None:
+    # The load estimate and the fleet's batches fill over the first decisions: the
+    # need rises from almost nothing to the real one. That is no burst to remember.
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    planner = Planner(policy)
+    total = needed_for(load_of(80.0), policy)
+    for i, t in enumerate(range(0, 120, 5)):
+        rate = 80.0 * min(1.0, (i + 1) / 10.0)
+        d = planner.decide(inputs_for(load_of(rate), total, now=t), now=t)
+        assert d.inputs["burst_seen_s_ago"] is None, t

@@ -72,6 +72,7 @@ def planner_policy(spec: VllmDeploymentSpec) -> PlannerPolicy:
         max_surge=a.max_surge,
         scale_down_step=a.scale_down_max_step,
         scale_down_stabilization_s=a.scale_down_stabilization_s,
+        initial_hold_s=a.scale_down_initial_hold_s,
         starting_timeout_s=max(600.0, 5.0 * a.startup_s),
         # A load estimate is made every round; it is "old" only if rounds stall.
         max_load_age_s=max(30.0, 3.0 * a.interval_s),

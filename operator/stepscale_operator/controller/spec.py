@@ -104,6 +104,7 @@ class AutoscalingSpec:
     slo: SloSpec = field(default_factory=SloSpec)
     max_surge: int = 8
     scale_down_stabilization_s: float = 120.0
+    scale_down_initial_hold_s: float = 300.0
     scale_down_max_step: int = 1
     startup_s: float = 120.0
     load_window_s: float = 30.0
@@ -450,6 +451,9 @@ def _parse_autoscaling(r: _Reader, raw: Mapping[str, Any], p: str) -> Autoscalin
         max_surge=r.integer(up, "maxSurge", f"{p}.scaleUp", 8, 1),
         scale_down_stabilization_s=r.number(
             down, "stabilizationWindowSeconds", f"{p}.scaleDown", 120.0, 0.0
+        ),
+        scale_down_initial_hold_s=r.number(
+            down, "initialHoldSeconds", f"{p}.scaleDown", 300.0, 0.0
         ),
         scale_down_max_step=r.integer(down, "maxStep", f"{p}.scaleDown", 1, 1),
         startup_s=r.number(raw, "startupSeconds", p, 120.0, 0.0),

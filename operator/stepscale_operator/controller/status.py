@@ -147,6 +147,7 @@ _LOAD_FIELDS = {
     "queued_decode_requests_mean": "queuedDecodeRequestsMean",
     "queued_prefill_tokens_trend": "queuedPrefillTokensTrend",
     "queued_prefill_tokens_change_per_s": "queuedPrefillTokensChangePerSecond",
+    "prefill_demand_tokens_per_s_recent": "prefillDemandTokensPerSecondRecent",
     "queued_decode_requests_trend": "queuedDecodeRequestsTrend",
     "missing_streams": "missingStreams",
 }
