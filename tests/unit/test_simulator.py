@@ -25,6 +25,7 @@ from stepscale_operator.simulator.ground_truth import (
 )
 from stepscale_operator.simulator.policies import (
     DynamoPolicy,
+    HindsightPolicy,
     OraclePolicy,
     PlannerDrivenPolicy,
     ScalingSetup,
@@ -268,6 +269,23 @@ def test_oracle_is_sized_by_the_measured_ground_truth_capacity() -> None:
     # It asks now for what the slots up to one start-up time ahead need.
     view = FleetView(0.0, 1, (), 0.0, None, 0)
     assert oracle.desired(view) == int(oracle.needs[: int(35 // 10) + 1].max())
+
+
+def test_hindsight_sizes_to_the_highest_need_seen_and_never_ahead() -> None:
+    setup = ScalingSetup(SloTargets(1000.0, 40.0), EngineLimits(), startup_s=30.0)
+    traffic = synthetic("bursts", duration_s=900.0, base_rps=10.0, seed=2)
+    hindsight = HindsightPolicy(traffic, setup, capacity_rps=5.0)
+    needs = hindsight.needs
+    assert needs.max() > needs[0]  # the bursts need more than the start
+    seen_max = np.maximum.accumulate(needs)
+    for now in (0.0, 35.0, 290.0, 330.0, 600.0, 899.0):
+        want = int(seen_max[max(int((now - 30.0) // 10.0), 0)])
+        assert hindsight.desired(FleetView(now, 1, (), 0.0, None, 0)) == want
+    # Never ahead of the load: before the first burst has been seen it asks for less
+    # than the oracle, which provisions for it a start-up time early.
+    first = int(np.argmax(needs > needs[0])) * 10.0
+    before = FleetView(first - 20.0, 1, (), 0.0, None, 0)
+    assert hindsight.desired(before) < OraclePolicy(traffic, setup, 5.0).desired(before)
 
 
 def test_planner_predictions_match_the_simulation_on_steady_traffic() -> None:

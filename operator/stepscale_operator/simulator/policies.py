@@ -411,6 +411,7 @@ class OraclePolicy(_NoFpm):
         self.interval_s = interval_s
         self.setup = setup
         self.bucket_s = bucket_s
+        self.window_s = window_s
         self.capacity_rps = capacity_rps
         rates = arrival_rate_series(traffic, bucket_s, window_s)
         needs = np.ceil(rates / max(capacity_rps, 1e-9)).astype(np.int64)
@@ -424,6 +425,27 @@ class OraclePolicy(_NoFpm):
         if window.size == 0:
             return int(self.needs[-1])
         return int(window.max())
+
+
+class HindsightPolicy(OraclePolicy):
+    """Knows the past exactly, not the future: a reference for reacting without headroom.
+
+    At every tick it asks for the most any slot needed so far (true arrival rates,
+    ground-truth capacity; a slot's rate counts once its window has passed) and
+    never gives capacity back, so a recurring burst always finds its capacity.
+    What it misses is a rise faster than pods start that it sees for the first
+    time; a policy does better there only by holding capacity nobody has asked
+    for yet (a margin, a static peak size) or by knowing the future (the oracle).
+    """
+
+    def __init__(self, traffic: Traffic, setup: ScalingSetup, capacity_rps: float) -> None:
+        super().__init__(traffic, setup, capacity_rps)
+        self.name = "hindsight"
+
+    def desired(self, view: FleetView) -> int:
+        """The highest need of every slot whose window has passed (the first slot's at t=0)."""
+        known = int((view.now - self.window_s) // self.bucket_s) + 1
+        return int(self.needs[: max(known, 1)].max())
 
 
 @dataclass

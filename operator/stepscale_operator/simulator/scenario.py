@@ -21,6 +21,7 @@ from stepscale_operator.simulator.fleet import Fleet, FleetConfig, FpmTap, Scali
 from stepscale_operator.simulator.ground_truth import StepTimeProfile
 from stepscale_operator.simulator.policies import (
     DynamoPolicy,
+    HindsightPolicy,
     HpaPolicy,
     OraclePolicy,
     PlannerDrivenPolicy,
@@ -32,7 +33,7 @@ from stepscale_operator.simulator.policies import (
 from stepscale_operator.simulator.report import RunSummary, summarise
 from stepscale_operator.simulator.traffic import Traffic
 
-POLICY_NAMES = ("ours", "static", "hpa", "dynamo", "oracle")
+POLICY_NAMES = ("ours", "static", "hpa", "dynamo", "oracle", "hindsight")
 
 
 @dataclass
@@ -109,7 +110,7 @@ def build_policy(
     sizing: GroundTruthSizing | None = None,
 ) -> ScalingPolicy:
     """The named policy (see ``POLICY_NAMES``) for this traffic and setup."""
-    if name in ("static", "oracle") and sizing is None:
+    if name in ("static", "oracle", "hindsight") and sizing is None:
         sizing = ground_truth_sizing(traffic, setup, profile, planner_policy)
     if name == "ours":
         return PlannerDrivenPolicy(setup, planner=Planner(planner_policy))
@@ -125,6 +126,9 @@ def build_policy(
     if name == "oracle":
         assert sizing is not None
         return OraclePolicy(traffic, setup, sizing.capacity_rps)
+    if name == "hindsight":
+        assert sizing is not None
+        return HindsightPolicy(traffic, setup, sizing.capacity_rps)
     raise ValueError(f"unknown policy {name!r}; choose from {POLICY_NAMES}")
 
 
