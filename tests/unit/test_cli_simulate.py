@@ -50,7 +50,7 @@ def test_simulate_writes_a_row_per_policy(
     assert status == 0
     payload = json.loads(out.read_text())
     runs = {r["policy"]: r for r in payload["runs"]}
-    assert set(runs) == {"ours", "static", "hpa", "dynamo", "oracle"}
+    assert set(runs) == {"ours", "static", "hpa", "dynamo", "oracle", "hindsight"}
     assert payload["traffic"]["requests"] > 0
     assert all(
         r["unfinished"] == 0 and r["requests"] == payload["traffic"]["requests"]
@@ -66,7 +66,7 @@ def test_simulate_writes_a_row_per_policy(
     assert 0.8 * oracle["gpu_hours"] <= ours["gpu_hours"] <= 1.5 * oracle["gpu_hours"]
     assert ours["attainment"] >= 0.95
     table = capsys.readouterr().out
-    assert "TTFT p99 ms" in table and table.count("synthetic-diurnal") == 5
+    assert "TTFT p99 ms" in table and table.count("synthetic-diurnal") == 6
 
 
 def test_simulate_writes_one_csv_row_per_request(tmp_path: Path) -> None:
