@@ -23,6 +23,9 @@ The verdict against the issue's targets (pipeline >= 200,000 msg/s and >= 60% of
 ``raw_recv_multipart``) is printed as PASS/FAIL and stored in the JSON; the exit
 status stays 0 either way (a slow shared machine is not a broken build).
 
+Each mode runs ``--repeats`` times (default 3), the modes interleaved round by
+round; the table and the verdict use each mode's median, the JSON also keeps the best.
+
 Run: ``PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_ingest.py
 [--quick]``
 """
@@ -35,6 +38,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -225,7 +229,9 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--quick", action="store_true", help="30,000 messages: a smoke run")
     parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=1, help="best of N per mode")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds over all modes; medians are judged"
+    )
     parser.add_argument("--out", default="results/bench_ingest.json")
     args = parser.parse_args()
     n = 30_000 if args.quick else args.messages
@@ -238,17 +244,23 @@ def main() -> None:
             ep, w, n, with_model=True, native=False
         ),
     }
-    rates: dict[str, float] = {}
-    for name, consume in modes.items():
-        best = min(_with_publisher(n, args.streams, consume) for _ in range(args.repeats))
-        rates[name] = n / best
+    # Rounds interleave the modes, so a slow spell of this shared machine hits them
+    # alike; each mode's median over the rounds is the figure judged (best also kept).
+    seconds: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(args.repeats):
+        for name, consume in modes.items():
+            seconds[name].append(_with_publisher(n, args.streams, consume))
+    rates = {name: n / statistics.median(s) for name, s in seconds.items()}
+    best_rates = {name: n / min(s) for name, s in seconds.items()}
     raw = rates["raw_recv_multipart"]
     pipeline = rates["pipeline"]
     result = {
         "messages": n,
         "streams": args.streams,
+        "rounds": args.repeats,
         "machine": platform.processor() or platform.machine(),
         "rates_msgs_per_s": {k: round(v) for k, v in rates.items()},
+        "best_rates_msgs_per_s": {k: round(v) for k, v in best_rates.items()},
         "pipeline_vs_raw_recv_multipart": round(pipeline / raw, 3),
         "pipeline_vs_raw_recv3": round(pipeline / rates["raw_recv3"], 3),
         "pipeline_pure_python_vs_raw_recv_multipart": round(
@@ -263,9 +275,10 @@ def main() -> None:
     }
     meets_rate, meets_ratio = pipeline >= TARGET_MSGS_PER_S, pipeline / raw >= TARGET_RATIO
     result["verdict"] = _mark(meets_rate and meets_ratio)
-    print(f"{'mode':<22}{'msgs/s':>12}{'vs raw':>9}")
+    print(f"median of {args.repeats} rounds")
+    print(f"{'mode':<22}{'msgs/s':>12}{'vs raw':>9}{'best':>12}")
     for name, rate in rates.items():
-        print(f"{name:<22}{rate:>12,.0f}{rate / raw:>9.2f}")
+        print(f"{name:<22}{rate:>12,.0f}{rate / raw:>9.2f}{best_rates[name]:>12,.0f}")
     print(
         f"pipeline: {pipeline:,.0f} msg/s (target {TARGET_MSGS_PER_S:,}), "
         f"{pipeline / raw:.2f}x raw recv_multipart (target {TARGET_RATIO:.2f}), "

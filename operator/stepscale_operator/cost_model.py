@@ -147,7 +147,7 @@ Cost per sample. Accumulating a sample is O(d^2). The robust centre and scale
 (an O(window) median) are recomputed every ``robust_every`` residuals, and the
 pooled solve (O(cells*d^2) per alternation, usually one or two, and a 9x9 NNLS) every
 ``resolve_every`` samples until the model holds ``min_samples``, then every
-``samples/64`` up to ``resolve_every_ready`` (about the number of buckets), and on
+``samples/64`` up to ``resolve_every_ready`` (one subscriber batch), and on
 demand when predictions or coefficients are asked for: amortised O(d^2) per sample
 in steady state.
 
@@ -190,7 +190,7 @@ from stepscale_operator.pass_columns import (
     SCHED_PREFILL_TOKENS,
     SCHED_PREFILL_VAR,
 )
-from stepscale_operator.stream_state import StreamKey
+from stepscale_operator.stream_state import StreamGroups, StreamKey
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -588,7 +588,7 @@ class CostModel:
         drift_k: float = 1.0,
         drift_half_life_passes: float = 500.0,
         resolve_every: int = 16,
-        resolve_every_ready: int = 256,
+        resolve_every_ready: int = 4096,
         robust_every: int = 64,
         budget_factor: float = BUDGET_FACTOR,
         budget_floor: float = BUDGET_FLOOR,
@@ -721,7 +721,7 @@ class CostModel:
         self,
         scheds: Sequence[ScheduledRequestMetrics] | FloatArray,
         wall_times_s: Sequence[float] | FloatArray,
-        streams: Sequence[StreamKey],
+        streams: Sequence[StreamKey] | StreamGroups,
         counter_ids: Sequence[int] | npt.NDArray[np.int64] | None = None,
     ) -> FloatArray:
         """Learn passes in order; returns each prequential prediction (NaN where none).
@@ -778,7 +778,7 @@ class CostModel:
     def _track_streams(
         self,
         wall: FloatArray,
-        streams: Sequence[StreamKey],
+        streams: Sequence[StreamKey] | StreamGroups,
         counter_ids: Sequence[int] | npt.NDArray[np.int64] | None,
     ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64], list[_StreamStats]]:
         """Per-stream warm-up and restart tracking, vectorised over the batch.
@@ -787,14 +787,10 @@ class CostModel:
         the stats object of every slot.
         """
         n = wall.shape[0]
-        # Each row maps to the position of its stream's first row (C-level loop), densified.
-        first_seen: dict[StreamKey, int] = {}
-        first_pos = np.fromiter(map(first_seen.setdefault, streams, range(n)), np.int64, n)
-        uniq, slot = np.unique(first_pos, return_inverse=True)
-        slot = slot.astype(np.int64, copy=False)
+        groups = StreamGroups.of(streams)
+        slot = groups.index
         slot_stats: list[_StreamStats] = []
-        for pos in uniq:
-            key = streams[int(pos)]
+        for key in groups.keys:
             stats = self._streams.get(key)
             if stats is None:
                 stats = self._new_stream(key)
@@ -988,16 +984,18 @@ class CostModel:
         # rarely visited regime still replaces stale knowledge (engine warm-up, an
         # earlier machine state) as soon as it is visited again.
         self._scale_buckets(present, self._own_decay ** n_new.astype(np.float64))
-        # Per-sample outer products summed per cell in one vectorised pass.
+        # Rows sorted by cell; each cell's X'WX is one small matrix product (a batch
+        # touches tens of cells: 3-15x cheaper than summing per-row outer products).
         order = np.argsort(cells, kind="stable")
         c_sorted = cells[order]
         starts = np.flatnonzero(np.r_[True, c_sorted[1:] != c_sorted[:-1]])
+        ends = np.r_[starts[1:], m]
         present_cells = c_sorted[starts]
         xs, ys, ws = x[order], y[order], wa[order]
         xw = xs * ws[:, None]
-        outer = xw[:, :, None] * xs[:, None, :]
         d = N_FEATURES
-        self._gram.reshape(-1, d, d)[present_cells] += np.add.reduceat(outer, starts, axis=0)
+        grams = [xw[a:b].T @ xs[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        self._gram.reshape(-1, d, d)[present_cells] += np.stack(grams)
         self._xty.reshape(-1, d)[present_cells] += np.add.reduceat(xw * ys[:, None], starts, axis=0)
         np.add.at(self._yty, present_cells // 2, np.add.reduceat(ws * ys * ys, starts))
         np.add.at(self._count, present_cells // 2, np.add.reduceat(age_weight[order], starts))

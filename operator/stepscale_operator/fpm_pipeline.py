@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, overload
 
 import numpy as np
@@ -35,7 +36,7 @@ from stepscale_operator.pass_columns import (
     COL_WALL,
     N_NUMERIC,
 )
-from stepscale_operator.stream_state import StreamKey, StreamTable, stream_label
+from stepscale_operator.stream_state import StreamGroups, StreamKey, StreamTable, stream_label
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -68,6 +69,11 @@ class PassMatrices:
             count=n * N_NUMERIC,
         ).reshape(n, N_NUMERIC)
         return cls([(m.worker_id, m.dp_rank) for m in msgs], numeric)
+
+    @cached_property
+    def groups(self) -> StreamGroups:
+        """The rows grouped by stream (computed once, shared by every consumer)."""
+        return StreamGroups.of(self.keys)
 
     def select(self, mask: npt.NDArray[np.bool_]) -> PassMatrices:
         """The rows where ``mask`` is True."""
@@ -193,7 +199,7 @@ class DeploymentModel:
             restarted: tuple[StreamKey, ...] = ()
             if self.observe_streams:
                 seen = self.streams.observe_columns(
-                    matrices.keys, matrices.counters, matrices.wall, now
+                    matrices.groups, matrices.counters, matrices.wall, now
                 )
                 restarted = seen.restarted
                 if not seen.all_accepted:
@@ -203,8 +209,9 @@ class DeploymentModel:
             wall = matrices.wall
             # Heartbeats go in too: they are not samples, but their sequence numbers
             # show the model when a stream restarted.
-            self.cost_model.update_batch(matrices.sched, wall, matrices.keys, matrices.counters)
-            self.load.observe_matrices(matrices.keys, wall, matrices.sched, matrices.queued, now)
+            groups = matrices.groups
+            self.cost_model.update_batch(matrices.sched, wall, groups, matrices.counters)
+            self.load.observe_matrices(groups, wall, matrices.sched, matrices.queued, now)
         passes = int(np.count_nonzero(wall > 0.0))
         return IngestResult(len(matrices), passes, len(matrices) - passes, restarted)
 

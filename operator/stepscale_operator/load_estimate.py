@@ -76,7 +76,12 @@ from stepscale_operator.pass_columns import (
     SCHED_PREFILL_REQS,
     SCHED_PREFILL_TOKENS,
 )
-from stepscale_operator.stream_state import DEFAULT_STALE_AFTER_S, StreamKey, stream_label
+from stepscale_operator.stream_state import (
+    DEFAULT_STALE_AFTER_S,
+    StreamGroups,
+    StreamKey,
+    stream_label,
+)
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -275,7 +280,7 @@ class LoadEstimator:
 
     def observe_matrices(
         self,
-        keys: Sequence[StreamKey],
+        keys: Sequence[StreamKey] | StreamGroups,
         wall: FloatArray,
         sched: FloatArray,
         queued: FloatArray,
@@ -285,11 +290,9 @@ class LoadEstimator:
         n = len(keys)
         if n == 0:
             return
-        # Map distinct streams only: rows point at their stream's first row, then densify.
-        first_pos: dict[StreamKey, int] = {}
-        pos = np.fromiter(map(first_pos.setdefault, keys, range(n)), np.int64, n)
-        uniq, inverse = np.unique(pos, return_inverse=True)
-        slots = np.array([self._slot(keys[int(p)]) for p in uniq], dtype=np.int64)
+        groups = StreamGroups.of(keys)  # distinct streams are mapped, not every row
+        inverse = groups.index
+        slots = np.array([self._slot(key) for key in groups.keys], dtype=np.int64)
         # Every message is liveness, even one whose content is not believed.
         first_time = np.isnan(self._first_seen[slots])
         self._first_seen[slots[first_time]] = now

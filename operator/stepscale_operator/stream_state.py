@@ -37,6 +37,35 @@ DEFAULT_STALE_AFTER_S = 3.0 * wire.HEARTBEAT_INTERVAL_S
 DEFAULT_MAX_STREAMS = 4096
 
 
+@dataclass(frozen=True)
+class StreamGroups:
+    """The rows of a batch grouped by stream: the distinct keys, and each row's one.
+
+    Built once per batch (:attr:`PassMatrices.groups`) and shared by the stream
+    table, the cost model and the load estimator, which all work per stream.
+    """
+
+    keys: list[StreamKey]  # distinct, in order of first appearance
+    index: npt.NDArray[np.int64]  # per row: the position of its key in ``keys``
+
+    @classmethod
+    def of(cls, rows: Sequence[StreamKey] | StreamGroups) -> StreamGroups:
+        """Group ``rows`` (returned as is when already grouped)."""
+        if isinstance(rows, StreamGroups):
+            return rows
+        n = len(rows)
+        # Each row -> the position of its key's first row (a C-level loop over the
+        # rows), then positions -> dense ranks; first positions ascend with the keys.
+        first: dict[StreamKey, int] = {}
+        pos = np.fromiter(map(first.setdefault, rows, range(n)), np.int64, n)
+        rank = np.empty(n, dtype=np.int64)
+        rank[np.fromiter(first.values(), np.int64, len(first))] = np.arange(len(first))
+        return cls(list(first), rank[pos])
+
+    def __len__(self) -> int:
+        return int(self.index.shape[0])
+
+
 def stream_label(key: StreamKey) -> str:
     """``worker_id/dp_rank``: a string form of a stream key for JSON and logs."""
     return f"{key[0]}/{key[1]}"
@@ -178,7 +207,7 @@ class StreamTable:
 
     def observe_columns(
         self,
-        keys: Sequence[StreamKey],
+        keys: Sequence[StreamKey] | StreamGroups,
         counters: npt.NDArray[np.int64],
         wall: npt.NDArray[np.float64],
         now: float,
@@ -190,13 +219,11 @@ class StreamTable:
         n = len(keys)
         if n == 0:
             return ObserveResult((), (), np.zeros(0, dtype=bool))
-        first_pos: dict[StreamKey, int] = {}
-        pos = np.fromiter(map(first_pos.setdefault, keys, range(n)), np.int64, n)
-        uniq, slot = np.unique(pos, return_inverse=True)
+        groups = StreamGroups.of(keys)
+        slot = groups.index
         states: list[StreamState] = []
         new: list[StreamKey] = []
-        for p in uniq:
-            key = keys[int(p)]
+        for key in groups.keys:
             state = self._streams.get(key)
             if state is None:
                 state = self._get_or_create(key)

@@ -349,10 +349,14 @@ class FpmSubscriber:
                     keys[row] = (msg.worker_id, msg.dp_rank)
                     valid[row] = True
         rows = np.flatnonzero(valid)
-        matrices = PassMatrices([cast(StreamKey, keys[i]) for i in rows.tolist()], numeric[rows])
+        if len(rows) == n:  # the usual case: every row valid, no copies
+            matrices = PassMatrices(cast(list[StreamKey], keys), numeric)
+        else:
+            kept = [cast(StreamKey, keys[i]) for i in rows.tolist()]
+            matrices = PassMatrices(kept, numeric[rows])
         if self.observe_streams and len(rows):
             seen = self.streams.observe_columns(
-                matrices.keys, matrices.counters, matrices.wall, self._clock()
+                matrices.groups, matrices.counters, matrices.wall, self._clock()
             )
             if not seen.all_accepted:
                 # Counted as duplicates by the table; the sink must not learn them twice.

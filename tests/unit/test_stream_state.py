@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepscale_engine.wire import ForwardPassMetrics, FrameError, heartbeat
-from stepscale_operator.stream_state import StreamTable
+from stepscale_operator.stream_state import StreamGroups, StreamTable
 
 
 def _pass(worker: str, rank: int, counter: int) -> ForwardPassMetrics:
@@ -179,3 +179,14 @@ def test_vectorised_batches_match_sequential_reference(
         got = (state.messages, state.lost, state.restarts, state.duplicates)
         assert got == (messages, lost, restarts, dups)
         assert state.passes_since_restart == since
+
+
+def test_stream_groups_keep_first_appearance_order_and_map_every_row() -> None:
+    rows = [("b", 0), ("a", 1), ("b", 0), ("c", 0), ("a", 1), ("b", 1)]
+    groups = StreamGroups.of(rows)
+    assert groups.keys == [("b", 0), ("a", 1), ("c", 0), ("b", 1)]
+    assert groups.index.tolist() == [0, 1, 0, 2, 1, 3]
+    assert [groups.keys[i] for i in groups.index] == rows
+    assert StreamGroups.of(groups) is groups and len(groups) == 6
+    empty = StreamGroups.of([])
+    assert empty.keys == [] and len(empty) == 0
