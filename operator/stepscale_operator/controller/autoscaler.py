@@ -231,27 +231,27 @@ class DeploymentAutoscaler:
 
     def _retire(self, keys: Iterable[tuple[str, int]], rejected: bool = False) -> None:
         """Move the counts of streams about to leave (or of the whole table) to the totals."""
-        for key in keys:
-            state = self.model.streams.get(key)
+        self._retired += self._stream_counts(keys, rejected)
+
+    def _stream_counts(self, keys: Iterable[tuple[str, int]], rejected: bool) -> Counter[str]:
+        """The counted fields of the streams ``keys`` of the table, and (``rejected``) its
+        malformed frames by reason (those are per table, not per stream)."""
+        counts: Counter[str] = Counter()
+        streams = self.model.streams
+        for state in (streams.get(k) for k in keys):
             if state is not None:
                 for name in COUNTED_FIELDS:
-                    self._retired[name] += int(getattr(state, name))
-        if rejected:  # the table's rejections are per table, not per stream
-            for reason, count in self.model.streams.rejected.items():
-                self._retired[f"malformed:{reason}"] += int(count)
+                    counts[name] += int(getattr(state, name))
+        if rejected:
+            for reason, count in streams.rejected.items():
+                counts[f"malformed:{reason}"] += int(count)
+        return counts
 
     def totals(self) -> dict[str, int]:
         """Messages, passes, lost, restarts, malformed frames by reason (``malformed:REASON``)
         and dropped batches since this autoscaler started; they never decrease."""
         with self._lock:
-            totals = Counter(self._retired)
-            streams = self.model.streams
-            for state in (streams.get(k) for k in streams.keys()):  # noqa: SIM118 (a method)
-                if state is not None:
-                    for name in COUNTED_FIELDS:
-                        totals[name] += int(getattr(state, name))
-            for reason, count in self.model.streams.rejected.items():
-                totals[f"malformed:{reason}"] += int(count)
+            totals = self._retired + self._stream_counts(self.model.streams.keys(), True)
             totals["dropped_batches"] = self.dropped_batches
             return {name: int(totals[name]) for name in (*COUNTED_FIELDS, *totals)}
 

@@ -61,6 +61,16 @@ def owner_reference(name: str, uid: str) -> dict[str, Any]:
     }
 
 
+def child_metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
+    """Metadata of a child object: same name and namespace, labelled and owned by it."""
+    return {
+        "name": name,
+        "namespace": namespace,
+        "labels": common_labels(name),
+        "ownerReferences": [owner_reference(name, uid)],
+    }
+
+
 def vllm_args(spec: VllmDeploymentSpec) -> list[str]:
     """Arguments of ``python -m vllm.entrypoints.openai.api_server``."""
     e = spec.engine
@@ -181,12 +191,7 @@ def build_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": common_labels(name),
-            "ownerReferences": [owner_reference(name, uid)],
-        },
+        "metadata": child_metadata(name, namespace, uid),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(name)},
@@ -205,12 +210,7 @@ def build_service(name: str, namespace: str, uid: str, spec: VllmDeploymentSpec)
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": common_labels(name),
-            "ownerReferences": [owner_reference(name, uid)],
-        },
+        "metadata": child_metadata(name, namespace, uid),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(name),
