@@ -33,7 +33,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from stepscale_operator.planner import EngineLimits, PlannerPolicy, SloTargets
+from stepscale_operator.latency_model import EngineLimits, SloTargets
+from stepscale_operator.planner import PlannerPolicy
 from stepscale_operator.simulator.fleet import Fleet, FleetConfig, SimResult
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B
 from stepscale_operator.simulator.policies import (

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stepscale_operator.planner import EngineLimits, PlannerPolicy, SloTargets
+from stepscale_operator.latency_model import EngineLimits, SloTargets
+from stepscale_operator.planner import PlannerPolicy
 from stepscale_operator.simulator.ground_truth import (
     H100_LLAMA_8B,
     StepTimeProfile,

@@ -28,13 +28,8 @@ from stepscale_operator.controller.status import (
 )
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.fpm_pipeline import DeploymentModel
-from stepscale_operator.planner import (
-    EngineLimits,
-    Planner,
-    PlannerInputs,
-    ReplicaCounts,
-    SloTargets,
-)
+from stepscale_operator.latency_model import EngineLimits, SloTargets
+from stepscale_operator.planner import Planner, PlannerInputs, ReplicaCounts
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "vllmdeployment.yaml"

@@ -9,18 +9,20 @@ from dataclasses import replace
 import pytest
 
 from stepscale_engine.wire import ScheduledRequestMetrics
-from stepscale_operator.load_types import LoadEstimate
-from stepscale_operator.planner import (
+from stepscale_operator.latency_model import (
     EngineLimits,
     PerReplicaLoad,
+    SloTargets,
+    predict_latency,
+    smallest_replicas_within_slo,
+)
+from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.planner import (
     Planner,
     PlannerInputs,
     PlannerPolicy,
     ReplicaCounts,
-    SloTargets,
     forecast_load,
-    predict_latency,
-    smallest_replicas_within_slo,
 )
 
 FLOOR_S = 0.006

@@ -15,7 +15,8 @@ from stepscale_engine.wire import (
     QueuedRequestMetrics,
     ScheduledRequestMetrics,
 )
-from stepscale_operator.planner import EngineLimits, Planner, PlannerPolicy, SloTargets
+from stepscale_operator.latency_model import EngineLimits, SloTargets
+from stepscale_operator.planner import Planner, PlannerPolicy
 from stepscale_operator.simulator.engine import RequestTable, SimEngine
 from stepscale_operator.simulator.fleet import Fleet, FleetConfig, FleetView, frontend_estimate
 from stepscale_operator.simulator.ground_truth import (

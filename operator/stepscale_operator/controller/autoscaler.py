@@ -29,16 +29,15 @@ from stepscale_operator.controller.discovery import PodDirectory, PodView, Strea
 from stepscale_operator.controller.spec import VllmDeploymentSpec
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch
+from stepscale_operator.latency_model import EngineLimits, SloTargets
 from stepscale_operator.load_estimate import LoadEstimator
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner import (
     Decision,
-    EngineLimits,
     Planner,
     PlannerInputs,
     PlannerPolicy,
     ReplicaCounts,
-    SloTargets,
 )
 from stepscale_operator.subscriber import FpmSubscriber
 

@@ -18,8 +18,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from stepscale_operator.latency_model import LatencyPrediction
 from stepscale_operator.load_types import LoadEstimate
-from stepscale_operator.planner import Decision, LatencyPrediction
+from stepscale_operator.planner import Decision
 
 CONDITION_TYPES = ("MetricsFresh", "ModelReady", "ScalingActive", "Degraded")
 CHECKPOINT_KEY = "checkpoint"

@@ -37,7 +37,7 @@ from stepscale_engine.wire import (
     ScheduledRequestMetrics,
     heartbeat,
 )
-from stepscale_operator.planner import EngineLimits
+from stepscale_operator.latency_model import EngineLimits
 from stepscale_operator.simulator.ground_truth import StepTimeProfile
 
 # Longest decode run computed ahead. Under load, arrivals cut runs after a few

@@ -25,8 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from stepscale_engine.wire import ForwardPassMetrics
+from stepscale_operator.latency_model import EngineLimits
 from stepscale_operator.load_types import LoadEstimate
-from stepscale_operator.planner import EngineLimits
 from stepscale_operator.simulator.engine import RequestTable, SimEngine
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B, StepTimeProfile
 from stepscale_operator.simulator.traffic import Traffic

@@ -36,20 +36,17 @@ import numpy.typing as npt
 
 from stepscale_engine.wire import ForwardPassMetrics
 from stepscale_operator.fpm_pipeline import DeploymentModel
-from stepscale_operator.load_types import LoadEstimate
-from stepscale_operator.planner import (
+from stepscale_operator.latency_model import (
     EngineLimits,
     LatencyPrediction,
     PerReplicaLoad,
-    Planner,
-    PlannerInputs,
-    PlannerPolicy,
-    ReplicaCounts,
     SloTargets,
     StepTimePredictor,
     predict_latency,
     smallest_replicas_within_slo,
 )
+from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.planner import Planner, PlannerInputs, PlannerPolicy, ReplicaCounts
 from stepscale_operator.simulator.fleet import (
     Fleet,
     FleetConfig,

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import numpy.typing as npt
 
-from stepscale_operator.planner import SloTargets
+from stepscale_operator.latency_model import SloTargets
 from stepscale_operator.simulator.fleet import SimResult
 
 
