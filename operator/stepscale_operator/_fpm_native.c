@@ -20,10 +20,12 @@
  *      would reject: it produces the same numbers msgspec would, and the
  *      caller's vectorised value checks are the ones the Python path uses.
  *
- * libzmq is not linked: bind_libzmq(path) dlopens the copy pyzmq already
- * loaded (RTLD_NOLOAD), so there is exactly one libzmq in the process and no
- * build-time dependency on its headers. The few declarations below are from
- * zmq.h (ABI stable since libzmq 3.2).
+ * libzmq is not linked: bind_libzmq(path) takes the path of pyzmq's own
+ * compiled backend module, which is loaded already (RTLD_NOLOAD), and looks the
+ * zmq_msg_* functions up through it (dlsym on a handle searches the object and
+ * its dependencies): the same libzmq that made the socket, however many others
+ * the process holds, and no build-time dependency on its headers. The few
+ * declarations below are from zmq.h (ABI stable since libzmq 3.2).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -52,10 +54,10 @@ static PyObject *bind_libzmq(PyObject *self, PyObject *arg) {
     (void)self;
     const char *path = PyUnicode_AsUTF8(arg);
     if (path == NULL) return NULL;
-    /* RTLD_NOLOAD: only the library pyzmq already loaded, never a second copy. */
+    /* RTLD_NOLOAD: only what pyzmq already loaded, never a second copy. */
     void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
     if (lib == NULL) {
-        PyErr_Format(PyExc_OSError, "libzmq not loaded from %s: %s", path, dlerror());
+        PyErr_Format(PyExc_OSError, "pyzmq's backend is not loaded from %s: %s", path, dlerror());
         return NULL;
     }
     p_msg_init = (int (*)(zmq_msg_t *))dlsym(lib, "zmq_msg_init");
@@ -68,7 +70,7 @@ static PyObject *bind_libzmq(PyObject *self, PyObject *arg) {
     if (!p_msg_init || !p_msg_recv || !p_msg_data || !p_msg_size || !p_msg_more ||
         !p_msg_close || !p_errno) {
         p_msg_recv = NULL;
-        PyErr_Format(PyExc_OSError, "%s lacks the zmq_msg_* functions", path);
+        PyErr_Format(PyExc_OSError, "no zmq_msg_* functions found through %s", path);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -560,7 +562,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"bind_libzmq", bind_libzmq, METH_O, "Resolve zmq_msg_* in the libzmq pyzmq loaded."},
+    {"bind_libzmq", bind_libzmq, METH_O, "Resolve zmq_msg_* through pyzmq's backend module."},
     {"drain", drain, METH_VARARGS, "drain(socket_address, max_messages) -> batch tuple"},
     {"decode_columns", decode_columns, METH_VARARGS,
      "decode_columns(payloads, ends, out, schema, max_payload) -> (keys, doubtful)"},

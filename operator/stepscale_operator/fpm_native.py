@@ -17,7 +17,7 @@ per *batch*:
   cannot drift apart silently (import fails if a field is not mapped).
 
 The extension is optional (``setup.py`` builds it where a C compiler exists).
-Without it, or without a libzmq it can bind, :data:`AVAILABLE` /
+Without it, or without a libzmq it can bind through pyzmq, :data:`AVAILABLE` /
 :data:`DRAIN_AVAILABLE` are False and the subscriber uses its pure-Python path,
 which gives identical results (tests run both).
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -117,18 +116,13 @@ def _load() -> ModuleType | None:
         return None
 
 
-def _loaded_libzmq() -> str | None:
-    """Path of the libzmq pyzmq loaded into this process (Linux: /proc/self/maps)."""
-    zmq.zmq_version()  # make sure the backend (and so libzmq) is loaded
+def _pyzmq_backend_path() -> str | None:
+    """File of pyzmq's compiled backend module (linked to the libzmq its sockets use)."""
     try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
+        backend = importlib.import_module("zmq.backend.cython._zmq")
+    except ImportError:  # e.g. the CFFI backend (PyPy): no native receive
         return None
-    for line in maps.splitlines():
-        path = line.rsplit(" ", 1)[-1]
-        if "/libzmq" in path:
-            return path
-    return None
+    return getattr(backend, "__file__", None)
 
 
 _native = _load()
@@ -139,7 +133,7 @@ AVAILABLE = _native is not None
 def _bind() -> bool:
     if _native is None:
         return False
-    path = _loaded_libzmq()
+    path = _pyzmq_backend_path()
     if path is None:
         return False
     try:
