@@ -218,8 +218,10 @@ async def test_model_fits_scales_up_and_down_then_holds_on_stale(api, cluster: F
         ):
             assert line in exposition, line
 
-        # Back at two replicas, every engine goes silent under low demand. With data, the
-        # planner would scale down after the 2 s window; without, it must hold.
+        # Back at two replicas, every engine goes silent. Read as zero load, the silence
+        # would scale down once the 3 s load window has passed the last passes (and the
+        # 2 s scale-down window after it); read as missing data, it must hold. (No low-
+        # demand pass is published first: that would be a real reason to scale down.)
         cluster.load.decode_tokens_per_s = HIGH_DEMAND
         await eventually(lambda: (deployment_replicas(api, "chat") or 0) >= 2, what="up again")
         await eventually(
@@ -231,7 +233,6 @@ async def test_model_fits_scales_up_and_down_then_holds_on_stale(api, cluster: F
         )
         replicas = deployment_replicas(api, "chat")
         downs = len(events(api, "ScaledDown"))
-        cluster.load.decode_tokens_per_s = LOW_DEMAND
         cluster.silence()
         await eventually(
             lambda: condition(api, "chat", "ScalingActive").get("reason") == "HoldingOnMissingData",
