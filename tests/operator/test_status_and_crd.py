@@ -340,3 +340,22 @@ def test_crd_env_is_a_map_and_quantities_have_a_pattern() -> None:
     crd_text = CRD_PATH.read_text()
     chart_text = (REPO / "charts" / "stepscale" / "crds" / "vllmdeployment.yaml").read_text()
     assert crd_text == chart_text
+
+
+def test_the_scale_down_window_outlasts_a_silent_streams_way_to_stale() -> None:
+    """A silent pod looks like falling load until it is stale: the planner's window is
+    never shorter than that (plus two rounds), whatever the spec asks."""
+    short = parse_spec(
+        {
+            "model": "m",
+            "image": "i",
+            "autoscaling": {
+                "intervalSeconds": 1,
+                "scaleDown": {"stabilizationWindowSeconds": 2},
+                "metrics": {"staleAfterSeconds": 2},
+            },
+        }
+    )
+    assert planner_policy(short).scale_down_stabilization_s == 4.0
+    default = parse_spec({"model": "m", "image": "i"})
+    assert planner_policy(default).scale_down_stabilization_s == 120.0

@@ -26,7 +26,7 @@ from typing import Any
 from stepscale_engine.rate_limited_log import RateLimitedLog
 from stepscale_operator.controller.cost_model_prior import prior_snapshot
 from stepscale_operator.controller.discovery import PodDirectory, PodView, StreamChanges
-from stepscale_operator.controller.spec import VllmDeploymentSpec
+from stepscale_operator.controller.spec import AutoscalingSpec, VllmDeploymentSpec
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch
 from stepscale_operator.latency_model import EngineLimits, SloTargets
@@ -64,13 +64,24 @@ class DecisionRound:
     totals: dict[str, int] = field(default_factory=dict)
 
 
+def silence_safe_window(a: AutoscalingSpec) -> float:
+    """The scale-down window, at least as long as a silent stream takes to go stale.
+
+    A pod that goes silent first looks like falling load (its passes leave the
+    load window) and only after ``staleAfterSeconds`` like missing data. A window
+    shorter than that, plus two decision rounds, could scale down on the silence;
+    with the defaults (120 s vs 3 s) it never matters.
+    """
+    return max(a.scale_down_stabilization_s, a.stale_after_s + 2.0 * a.interval_s)
+
+
 def planner_policy(spec: VllmDeploymentSpec) -> PlannerPolicy:
     """The planner's tunables from ``spec.autoscaling``."""
     a = spec.autoscaling
     return PlannerPolicy(
         max_surge=a.max_surge,
         scale_down_step=a.scale_down_max_step,
-        scale_down_stabilization_s=a.scale_down_stabilization_s,
+        scale_down_stabilization_s=silence_safe_window(a),
         initial_hold_s=a.scale_down_initial_hold_s,
         starting_timeout_s=max(600.0, 5.0 * a.startup_s),
         # A load estimate is made every round; it is "old" only if rounds stall.
