@@ -38,8 +38,8 @@ per-request data), documented here because the planner relies on them:
 * Trends. Least-squares slope over ``trend_subwindows`` equal parts of the window,
   of the token rates and of the mean queues; and the end-to-end change of the
   queued prefill tokens (oldest part's mean to now), which with the served rate
-  gives the arrivals by mass balance; and the same balance over the newest part
-  only (``prefill_demand_tokens_per_s_recent``), which sees a step in the
+  gives the arrivals by mass balance; and the same balance over the newest one
+  to two parts only (``prefill_demand_tokens_per_s_recent``), which sees a step in the
   arrivals within seconds, while the window's still averages it with the load
   before.
 """
@@ -482,7 +482,7 @@ class LoadEstimator:
     ) -> tuple[FloatArray, float, float] | None:
         """Least-squares slopes of the :data:`_TREND_COLS` fleet rates over equal
         sub-windows, the end-to-end change of the queued prefill tokens, and the
-        recent prefill demand (served plus queue growth over the newest one).
+        recent prefill demand (served plus queue growth over the newest one or two).
 
         Per second (tokens/s per second for rates, queue units per second for the
         mean queues and the change); None when fewer than two sub-windows have data.
@@ -521,10 +521,13 @@ class LoadEstimator:
         served_col = _TREND_COLS.index(_PREFILL_TOKENS)
         oldest_queue = float(values[-1][queue_col])
         change = (latest_prefill_queue - oldest_queue) / (now - centers[-1])
-        # The same balance over the newest sub-window: served there, plus the queue's
-        # growth from its mean (held at its centre) to now.
-        recent_growth = (latest_prefill_queue - float(values[0][queue_col])) / (now - centers[0])
-        recent_demand = max(float(values[0][served_col]) + recent_growth, 0.0)
+        # The same balance over the newest whole sub-window and the part since: served
+        # there, plus the queue's growth from that sub-window's mean (at its centre) to
+        # now. Not over the newest part alone: it can be a fraction of a second long,
+        # and batching noise in the queue divided by it reads as a surge.
+        recent_growth = (latest_prefill_queue - float(values[1][queue_col])) / (now - centers[1])
+        recent_served = float(np.mean([v[served_col] for v in values[:2]]))
+        recent_demand = max(recent_served + recent_growth, 0.0)
         t = np.asarray(centers)
         t = t - t.mean()
         v = np.asarray(values)  # (subs, cols)

@@ -66,8 +66,8 @@ class LoadEstimate:
     # Queued prefill tokens now minus at the window's start, per second: with the
     # served rate, the arrivals (arrivals = served + this, over the same window).
     queued_prefill_tokens_change_per_s: float = 0.0
-    # Prefill tokens/s arriving over the newest trend sub-window (served plus the
-    # queue's growth there): sees a step in the arrivals within seconds, where
+    # Prefill tokens/s arriving over the newest one to two trend sub-windows (served
+    # plus the queue's growth there): sees a step in the arrivals within seconds, where
     # the window's mass balance still averages it with the load before. Noisier.
     prefill_demand_tokens_per_s_recent: float = 0.0
     missing_streams: tuple[str, ...] = ()  # ``worker_id/dp_rank`` of stale or silent streams

@@ -262,8 +262,8 @@ class Planner:
         self._burst_began = 0.0  # when the last burst's rise began (its low point)
         self._demand_history: list[tuple[float, float]] = []  # (time, measured demand rate)
         self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
-        # (time, prefill tokens per request, decode tokens per request), for the mix memory
-        self._mix: list[tuple[float, float, float]] = []
+        # (time, prefill tokens per request), for the mix memory
+        self._mix: list[tuple[float, float]] = []
 
     def decide(self, inputs: PlannerInputs, now: float) -> Decision:
         """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``)."""
@@ -515,13 +515,15 @@ class Planner:
     def _with_heavier_mix(
         self, load: LoadEstimate, now: float, record: dict[str, object]
     ) -> LoadEstimate:
-        """``load`` at its request rate, with the heavier of its own request mix and
-        the mean mix over ``mix_memory_s`` (prefill and decode tokens per request).
+        """``load`` at its request rate, with the heavier of its own prompt length and
+        the mean prompt length over ``mix_memory_s``.
 
-        Only scale-down is judged on it: a mix lighter than usual lets the fleet
-        shrink, and the usual one coming back at the same request rate is a rise
+        Only scale-down is judged on it: prompts shorter than usual let the fleet
+        shrink, and the usual ones coming back at the same request rate is a rise
         faster than pods start. The mean, not the peak, of the history: one window's
-        heavy prompts are noise, the usual mix is what returns.
+        heavy prompts are noise, the usual mix is what returns. The output side is
+        not remembered: generated tokens per request also fall when a fleet's
+        decode load falls at a steady prompt rate, which is a real drop in load.
         """
         window = self.policy.mix_memory_s
         rate = load.prefill_requests_per_s
@@ -529,24 +531,20 @@ class Planner:
         if window <= 0.0 or rate <= 0.0:
             return load
         prefill_each = load.prefill_tokens_per_s / rate
-        decode_each = load.decode_tokens_per_s / rate
-        self._mix.append((now, prefill_each, decode_each))
+        self._mix.append((now, prefill_each))
         self._mix = [m for m in self._mix if m[0] >= now - window]
         usual_prefill = sum(m[1] for m in self._mix) / len(self._mix)
-        usual_decode = sum(m[2] for m in self._mix) / len(self._mix)
-        prefill_ratio = max(usual_prefill / prefill_each, 1.0) if prefill_each > 0.0 else 1.0
-        decode_ratio = max(usual_decode / decode_each, 1.0) if decode_each > 0.0 else 1.0
-        record["mix_ratio"] = {"prefill": prefill_ratio, "decode": decode_ratio}
-        if prefill_ratio == 1.0 and decode_ratio == 1.0:
+        ratio = max(usual_prefill / prefill_each, 1.0) if prefill_each > 0.0 else 1.0
+        record["mix_ratio"] = ratio
+        if ratio == 1.0:
             return load
         return replace(
             load,
-            prefill_tokens_per_s=load.prefill_tokens_per_s * prefill_ratio,
-            prefill_cached_tokens_per_s=load.prefill_cached_tokens_per_s * prefill_ratio,
-            mean_prompt_tokens=load.mean_prompt_tokens * prefill_ratio,
+            prefill_tokens_per_s=load.prefill_tokens_per_s * ratio,
+            prefill_cached_tokens_per_s=load.prefill_cached_tokens_per_s * ratio,
+            mean_prompt_tokens=load.mean_prompt_tokens * ratio,
             # The decode context is mostly the prompt: it scales with it.
-            mean_decode_context_tokens=load.mean_decode_context_tokens * prefill_ratio,
-            decode_tokens_per_s=load.decode_tokens_per_s * decode_ratio,
+            mean_decode_context_tokens=load.mean_decode_context_tokens * ratio,
         )
 
     def _long_trend_ratio(self, rate: float, horizon: float, now: float) -> float | None:

@@ -724,3 +724,17 @@ def test_the_planners_own_warm_up_is_not_a_burst() -> None:
         rate = 80.0 * min(1.0, (i + 1) / 10.0)
         d = planner.decide(inputs_for(load_of(rate), total, now=t), now=t)
         assert d.inputs["burst_seen_s_ago"] is None, t
+
+
+def test_fewer_generated_tokens_at_the_same_prompt_rate_is_a_real_drop() -> None:
+    # The decode load falls while prompts keep arriving at the same rate (shorter
+    # answers, or fewer long generations): that is less load, not a lighter mix that
+    # may return, so the fleet scales down after the window.
+    heavy, light = load_of(60.0, output=600.0), load_of(60.0, output=100.0)
+    assert needed_for(light) < needed_for(heavy)
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    planner = Planner(policy)
+    total, t = _run_steady(planner, heavy, needed_for(heavy, policy), 0.0, 600.0)
+    start = total
+    total, t = _run_steady(planner, light, total, t, t + 300.0)
+    assert total < start
