@@ -522,7 +522,11 @@ async def test_without_autoscaling_the_scale_subresource_rules(api, cluster: Fak
         await patch(api, vd_path("fixed"), {"spec": {"replicas": 3}})
         await eventually(lambda: deployment_replicas(api, "fixed") == 3, what="scaled to 3")
         assert status_of(api, "fixed")["selector"] == "stepscale.io/vllmdeployment=fixed"
-        assert condition(api, "fixed", "ScalingActive").get("reason") == "Disabled"
+        # The status round after the spec change may land a moment after the Deployment.
+        await eventually(
+            lambda: condition(api, "fixed", "ScalingActive").get("reason") == "Disabled",
+            what="ScalingActive=Disabled",
+        )
         autoscaler = op.state.autoscalers[(NAMESPACE, "fixed")]
         # Deleting the object stops listening (the children go by garbage collection,
         # which the emulator does not run).
