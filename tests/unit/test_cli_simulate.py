@@ -50,7 +50,7 @@ def test_simulate_writes_a_row_per_policy(
     assert status == 0
     payload = json.loads(out.read_text())
     runs = {r["policy"]: r for r in payload["runs"]}
-    assert set(runs) == {"ours", "static", "hpa", "dynamo", "oracle", "hindsight"}
+    assert set(runs) == {"ours", "static", "hpa", "dynamo", "oracle", "oracle+window", "hindsight"}
     assert payload["traffic"]["requests"] > 0
     assert all(
         r["unfinished"] == 0 and r["requests"] == payload["traffic"]["requests"]
@@ -58,6 +58,8 @@ def test_simulate_writes_a_row_per_policy(
     )
     # The oracle is sized by the simulated ground truth for 99%: it gets there.
     assert runs["oracle"]["attainment"] >= 0.99
+    # Scaling down only after a window costs the oracle capacity, never saves it.
+    assert runs["oracle+window"]["gpu_hours"] >= runs["oracle"]["gpu_hours"]
     # The load swings from 40% to 160% of its base: ours follows it instead of
     # holding the peak, and stays near the oracle's cost (a reference sized by a
     # heuristic, not a strict lower bound) while serving nearly every request.

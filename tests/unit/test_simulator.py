@@ -31,16 +31,23 @@ from stepscale_operator.simulator.policies import (
     PlannerDrivenPolicy,
     ScalingSetup,
     StaticPolicy,
+    WindowedOraclePolicy,
     arrival_rate_series,
     calibrate_capacity,
     prediction_errors,
     steady_segments,
 )
 from stepscale_operator.simulator.publish import SimulatedPodPublishers, pod_host
-from stepscale_operator.simulator.report import plot_timeline, request_latencies, summarise
+from stepscale_operator.simulator.report import (
+    attainment_in_windows,
+    plot_timeline,
+    request_latencies,
+    summarise,
+)
 from stepscale_operator.simulator.scenario import build_policy
 from stepscale_operator.simulator.traffic import (
     Traffic,
+    burst_windows,
     load_azure_csv,
     load_mooncake_jsonl,
     load_trace,
@@ -210,6 +217,15 @@ def test_synthetic_shapes() -> None:
     quiet = np.count_nonzero((t >= 100) & (t < 200))
     burst = np.count_nonzero((t >= 400) & (t < 500))
     assert 2.0 < burst / quiet < 3.0
+    # The burst windows cover every rise above the base rate, and nothing else.
+    windows = burst_windows(1200.0)
+    assert windows == [(300.0, 510.0), (900.0, 1110.0)]
+    per_10s = np.histogram(t, bins=np.arange(0.0, 1210.0, 10.0))[0]
+    starts = np.arange(0.0, 1200.0, 10.0)
+    inside = np.array([any(a <= x and x + 10.0 <= b for a, b in windows) for x in starts])
+    outside = np.array([all(x + 10.0 <= a or x >= b for a, b in windows) for x in starts])
+    assert per_10s[outside].mean() == pytest.approx(100.0, rel=0.15)
+    assert per_10s[inside].mean() > 1.7 * per_10s[outside].mean()
     steps = synthetic("steps", duration_s=1000.0, base_rps=10.0, seed=2)
     first = np.count_nonzero(steps.arrival_s < 200)
     second = np.count_nonzero((steps.arrival_s >= 200) & (steps.arrival_s < 400))
@@ -226,6 +242,20 @@ def test_report_attainment_counts_both_targets() -> None:
     assert strict.ttft_attainment == 0.0 and strict.attainment == 0.0
     assert loose.attainment == 1.0
     assert loose.gpu_hours == pytest.approx(25.0 / 3600.0)
+    # Per window: the share of the requests arriving there, NaN where none arrive.
+    arrival = traffic.arrival_s
+    half = float(np.median(arrival))
+    early, late, empty = attainment_in_windows(
+        result,
+        SloTargets(ttft_ms=10_000.0, itl_ms=10_000.0),
+        [(0.0, half), (half, 1e9), (-10.0, -5.0)],
+    )
+    assert early == late == 1.0 and np.isnan(empty)
+    lat_ok = np.nan_to_num(lat.ttft_ms, nan=np.inf) <= float(np.median(lat.ttft_ms))
+    (share,) = attainment_in_windows(
+        result, SloTargets(ttft_ms=float(np.median(lat.ttft_ms)), itl_ms=10_000.0), [(0.0, 1e9)]
+    )
+    assert share == pytest.approx(lat_ok.mean())
 
 
 def test_fpm_flow_through_the_operator_pipeline_into_the_planner() -> None:
@@ -287,6 +317,28 @@ def test_hindsight_sizes_to_the_highest_need_seen_and_never_ahead() -> None:
     first = int(np.argmax(needs > needs[0])) * 10.0
     before = FleetView(first - 20.0, 1, (), 0.0, None, 0)
     assert hindsight.desired(before) < OraclePolicy(traffic, setup, 5.0).desired(before)
+
+
+def test_windowed_oracle_scales_down_only_after_its_window() -> None:
+    setup = ScalingSetup(SloTargets(1000.0, 40.0), EngineLimits(), startup_s=30.0)
+    traffic = synthetic("bursts", duration_s=900.0, base_rps=10.0, seed=2)
+    oracle = OraclePolicy(traffic, setup, capacity_rps=5.0)
+    windowed = WindowedOraclePolicy(traffic, setup, capacity_rps=5.0, stabilization_s=60.0)
+    asks: list[tuple[float, int]] = []
+    held: list[int] = []
+    for k in range(180):
+        now = k * 5.0
+        view = FleetView(now, 1, (), 0.0, None, 0)
+        asks.append((now, oracle.desired(view)))
+        held.append(windowed.desired(view))
+        # Never below the oracle, and exactly its highest ask of the last minute.
+        assert held[-1] == max(ask for t, ask in asks if t >= now - 60.0), now
+    # A burst's end (a fall that does not come back within the minute): the oracle
+    # lets go at once, the window keeps the peak for exactly its 60 s.
+    peak = [a for _, a in asks]
+    fall = next(k for k in range(1, 160) if max(peak[k : k + 13]) < peak[k - 1])
+    assert held[fall] == held[fall + 11] == peak[fall - 1]
+    assert held[fall + 12] < peak[fall - 1]
 
 
 def test_planner_predictions_match_the_simulation_on_steady_traffic() -> None:

@@ -18,6 +18,10 @@
   simulated fleet meets the attainment target on this request mix), and removes
   them as soon as the future allows (no stabilization): the lower bound on
   GPU-hours at the target attainment.
+* ``oracle+window`` (a bound, not a baseline): the oracle, but it removes capacity
+  only after the stabilization window the issue asks of a planner ("scale down
+  slowly"). No policy that keeps that window can use fewer GPU-hours.
+* ``hindsight`` (a reference): exact past load, no margin, never scales down.
 
 Baselines get perfect information (the router's true arrivals and the noise-free
 ground-truth step time), so any advantage of ``ours`` comes from the control law
@@ -422,6 +426,37 @@ class OraclePolicy(_NoFpm):
         if window.size == 0:
             return int(self.needs[-1])
         return int(window.max())
+
+
+class WindowedOraclePolicy(OraclePolicy):
+    """The oracle, scaling down only as slowly as a stabilization window allows.
+
+    It knows the future and sizes by the ground truth with no margin, like the
+    oracle, but gives capacity back only once every ask of the last
+    ``stabilization_s`` allows it (the rule the issue asks of the planner: scale
+    down slowly). So it bounds from below the GPU-hours of any policy that keeps
+    such a window: on traffic that falls and rises again within minutes (bursts)
+    that bound sits well above the oracle's.
+    """
+
+    def __init__(
+        self,
+        traffic: Traffic,
+        setup: ScalingSetup,
+        capacity_rps: float,
+        stabilization_s: float,
+    ) -> None:
+        super().__init__(traffic, setup, capacity_rps)
+        self.name = "oracle+window"
+        self.stabilization_s = stabilization_s
+        self._asks: deque[tuple[float, int]] = deque()
+
+    def desired(self, view: FleetView) -> int:
+        """The most the oracle asked for over the stabilization window."""
+        self._asks.append((view.now, super().desired(view)))
+        while self._asks[0][0] < view.now - self.stabilization_s:
+            self._asks.popleft()
+        return max(ask for _, ask in self._asks)
 
 
 class HindsightPolicy(OraclePolicy):

@@ -75,11 +75,35 @@ def _pct(values: npt.NDArray[np.float64], q: float) -> float:
     return float(np.percentile(finite, q)) if finite.size else math.nan
 
 
+def _within_slo(
+    lat: RequestLatencies, slo: SloTargets
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """Per request: TTFT within target, ITL within target (unfinished: neither)."""
+    ttft_ok = np.nan_to_num(lat.ttft_ms, nan=np.inf) <= slo.ttft_ms
+    itl_ok = np.nan_to_num(lat.itl_ms, nan=np.inf) <= slo.itl_ms
+    return ttft_ok, itl_ok
+
+
+def attainment_in_windows(
+    result: SimResult, slo: SloTargets, windows: Sequence[tuple[float, float]]
+) -> list[float]:
+    """Share of the requests arriving in each ``[start, end)`` window that met both
+    SLOs (NaN for a window without requests)."""
+    ttft_ok, itl_ok = _within_slo(request_latencies(result), slo)
+    ok = ttft_ok & itl_ok
+    arrival = result.traffic.arrival_s
+    shares: list[float] = []
+    for start, end in windows:
+        inside = (arrival >= start) & (arrival < end)
+        count = int(inside.sum())
+        shares.append(float(ok[inside].sum() / count) if count else math.nan)
+    return shares
+
+
 def summarise(result: SimResult, slo: SloTargets, scenario: str, wall_s: float) -> RunSummary:
     """Attainment, percentiles and cost of one run."""
     lat = request_latencies(result)
-    ttft_ok = np.nan_to_num(lat.ttft_ms, nan=np.inf) <= slo.ttft_ms
-    itl_ok = np.nan_to_num(lat.itl_ms, nan=np.inf) <= slo.itl_ms
+    ttft_ok, itl_ok = _within_slo(lat, slo)
     n = max(len(result.traffic), 1)
     total = np.asarray(result.timeline["total"], dtype=np.float64)
     changes = int(np.count_nonzero(np.diff(total))) if total.size > 1 else 0
@@ -108,7 +132,7 @@ def summarise(result: SimResult, slo: SloTargets, scenario: str, wall_s: float) 
 def format_table(rows: Sequence[RunSummary], oracle_gpu_hours: dict[str, float]) -> str:
     """A plain-text comparison table; GPU-hours also relative to the scenario's oracle."""
     header = (
-        f"{'scenario':<22} {'policy':<8} {'SLO ok':>7} {'TTFT ok':>8} {'ITL ok':>7} "
+        f"{'scenario':<22} {'policy':<13} {'SLO ok':>7} {'TTFT ok':>8} {'ITL ok':>7} "
         f"{'TTFT p99 ms':>11} {'ITL p99 ms':>10} {'GPU-h':>7} {'x oracle':>8} {'scales':>6} "
         f"{'wall s':>6}"
     )
@@ -117,7 +141,7 @@ def format_table(rows: Sequence[RunSummary], oracle_gpu_hours: dict[str, float])
         ref = oracle_gpu_hours.get(r.scenario, math.nan)
         rel = r.gpu_hours / ref if ref and math.isfinite(ref) else math.nan
         lines.append(
-            f"{r.scenario:<22} {r.policy:<8} {r.attainment:>7.2%} {r.ttft_attainment:>8.2%} "
+            f"{r.scenario:<22} {r.policy:<13} {r.attainment:>7.2%} {r.ttft_attainment:>8.2%} "
             f"{r.itl_attainment:>7.2%} {r.ttft_p99_ms:>11.0f} {r.itl_p99_ms:>10.1f} "
             f"{r.gpu_hours:>7.2f} {rel:>8.2f} {r.scale_events:>6d} {r.wall_s:>6.1f}"
         )

@@ -27,13 +27,14 @@ from stepscale_operator.simulator.policies import (
     PlannerDrivenPolicy,
     ScalingSetup,
     StaticPolicy,
+    WindowedOraclePolicy,
     calibrate_capacity,
     needed_replicas_series,
 )
 from stepscale_operator.simulator.report import RunSummary, summarise
 from stepscale_operator.simulator.traffic import Traffic
 
-POLICY_NAMES = ("ours", "static", "hpa", "dynamo", "oracle", "hindsight")
+POLICY_NAMES = ("ours", "static", "hpa", "dynamo", "oracle", "oracle+window", "hindsight")
 
 
 @dataclass
@@ -110,7 +111,7 @@ def build_policy(
     sizing: GroundTruthSizing | None = None,
 ) -> ScalingPolicy:
     """The named policy (see ``POLICY_NAMES``) for this traffic and setup."""
-    if name in ("static", "oracle", "hindsight") and sizing is None:
+    if name in ("static", "oracle", "oracle+window", "hindsight") and sizing is None:
         sizing = ground_truth_sizing(traffic, setup, profile, planner_policy)
     if name == "ours":
         return PlannerDrivenPolicy(setup, planner=Planner(planner_policy))
@@ -126,6 +127,11 @@ def build_policy(
     if name == "oracle":
         assert sizing is not None
         return OraclePolicy(traffic, setup, sizing.capacity_rps)
+    if name == "oracle+window":
+        assert sizing is not None
+        return WindowedOraclePolicy(
+            traffic, setup, sizing.capacity_rps, planner_policy.scale_down_stabilization_s
+        )
     if name == "hindsight":
         assert sizing is not None
         return HindsightPolicy(traffic, setup, sizing.capacity_rps)

@@ -22,6 +22,26 @@ import numpy.typing as npt
 
 SYNTHETIC_KINDS = ("flat", "diurnal", "bursts", "steps")
 
+# The "bursts" kind: after a warm-up at the base rate, every period a ramp to
+# BURST_LEVEL times the base, a hold at that level, and a ramp back down.
+BURST_WARMUP_S = 300.0
+BURST_PERIOD_S = 600.0
+BURST_RAMP_S = 30.0
+BURST_HOLD_S = 150.0
+BURST_LEVEL = 2.5
+
+
+def burst_windows(duration_s: float) -> list[tuple[float, float]]:
+    """``(start, end)`` of each burst of the "bursts" kind that begins within
+    ``duration_s``: from the start of its ramp up to the end of its ramp down."""
+    length = 2.0 * BURST_RAMP_S + BURST_HOLD_S
+    windows: list[tuple[float, float]] = []
+    start = BURST_WARMUP_S
+    while start < duration_s:
+        windows.append((start, min(start + length, duration_s)))
+        start += BURST_PERIOD_S
+    return windows
+
 
 @dataclass(frozen=True)
 class Traffic:
@@ -160,18 +180,18 @@ def rate_function(kind: str, base_rps: float, duration_s: float) -> Callable[[fl
         # One compressed "day": trough at 40% of base, peak at 160%.
         return lambda t: base_rps * (1.0 - 0.6 * math.cos(2.0 * math.pi * t / duration_s))
     if kind == "bursts":
-        # After a 5-minute warm-up, every 10 minutes: a 30 s ramp to 2.5x the base,
-        # 150 s at that level, and a 30 s ramp back down.
+        # The schedule is the BURST_* constants above (and ``burst_windows``).
         def bursts(t: float) -> float:
-            if t < 300.0:
+            if t < BURST_WARMUP_S:
                 return base_rps
-            phase = (t - 300.0) % 600.0
-            if phase < 30.0:
-                level = 1.0 + 1.5 * phase / 30.0
-            elif phase < 180.0:
-                level = 2.5
-            elif phase < 210.0:
-                level = 2.5 - 1.5 * (phase - 180.0) / 30.0
+            phase = (t - BURST_WARMUP_S) % BURST_PERIOD_S
+            rise = BURST_LEVEL - 1.0
+            if phase < BURST_RAMP_S:
+                level = 1.0 + rise * phase / BURST_RAMP_S
+            elif phase < BURST_RAMP_S + BURST_HOLD_S:
+                level = BURST_LEVEL
+            elif phase < 2.0 * BURST_RAMP_S + BURST_HOLD_S:
+                level = BURST_LEVEL - rise * (phase - BURST_RAMP_S - BURST_HOLD_S) / BURST_RAMP_S
             else:
                 level = 1.0
             return base_rps * level
