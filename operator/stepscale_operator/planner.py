@@ -24,9 +24,11 @@ for the load expected one pod start-up ahead. On top of that:
   demand's slope over the last two minutes supports it, capped.
 * Bursts: a need that jumps by ``burst_ratio`` within one start-up horizon rose
   faster than pods can start; its peak (on the queue-corrected demand, counted
-  from the low point it rose from) is kept for ``burst_memory_s`` so a recurring
-  burst finds its capacity already there. The planner's own first horizon (load
-  windows and batches still filling) is no burst.
+  from the low point it rose from) is kept for ``burst_memory_s`` so a burst
+  coming back soon finds its capacity already there. The planner's own first
+  horizon (load windows and batches still filling) is no burst. Once bursts come
+  at a steady period (:mod:`~stepscale_operator.burst_recurrence`), the next one's
+  peak is provisioned one horizon before it is due, and nothing is held between.
 * Scale-down: survivors must carry the measured load within the SLO less the
   margin plus hysteresis, for the whole stabilization window; the window
   remembers those measured floors, not the look-ahead's needs (the forecast counts
@@ -41,6 +43,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from stepscale_engine.wire import ScheduledRequestMetrics
+from stepscale_operator.burst_recurrence import BurstRecurrence, RecurringBurst
 from stepscale_operator.latency_model import (
     EngineLimits,
     LatencyPrediction,
@@ -154,6 +157,12 @@ class PlannerPolicy:
     burst_ratio: float = 1.6
     burst_min_step: int = 3
     burst_memory_s: float = 900.0
+    # Bursts recur: once the gaps between the last ``recurring_bursts`` onsets agree
+    # within ``burst_period_tolerance`` of their mean, the next burst's peak need is
+    # provisioned one look-ahead horizon before it is due, and the memory is let go
+    # between bursts (0: never; the memory alone).
+    recurring_bursts: int = 3
+    burst_period_tolerance: float = 0.1
     advisory: bool = False  # decide and explain, but change nothing
 
 
@@ -237,6 +246,16 @@ class _Recommendation:
     replicas: int
 
 
+def _recurring_words(burst: RecurringBurst, now: float) -> str:
+    """Why capacity waits for a recurring burst, in words."""
+    due = burst.next_onset - now
+    when = f"due in {due:.0f}s" if due >= 0.0 else f"due {-due:.0f}s ago"
+    return (
+        f"bursts recur every {burst.period_s:.0f}s (last {burst.bursts}); the next is "
+        f"{when} and the recent ones needed {burst.peak_need}"
+    )
+
+
 def with_demand(load: LoadEstimate, ratio: float) -> LoadEstimate:
     """``load`` with its request and token rates multiplied by ``ratio``."""
     if ratio == 1.0:
@@ -264,6 +283,9 @@ class Planner:
         self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
         # (time, prefill tokens per request), for the mix memory
         self._mix: list[tuple[float, float]] = []
+        self._recurrence = BurstRecurrence(
+            self.policy.recurring_bursts, self.policy.burst_period_tolerance
+        )
 
     def decide(self, inputs: PlannerInputs, now: float) -> Decision:
         """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``)."""
@@ -375,7 +397,7 @@ class Planner:
             )
         # Bursts are judged, and remembered, on the measured load's need: not on a
         # forecast or a backlog allowance, which would keep an overshoot.
-        burst_floor = self._burst_floor(now, measured_need, horizon, record)
+        burst_floor, prepared = self._burst_floor(now, measured_need, horizon, record)
         # What the stabilization window remembers: the measured load's floor (and a
         # burst's peak). The forecast's need counts for the decision at hand only:
         # remembered, the window's maximum of a noisy look-ahead would add its
@@ -386,6 +408,10 @@ class Planner:
         load_floor = max(down_ok + timed_out, lo)
         down_ok = max(down_ok, burst_floor)
         needed = min(needed + backlog_replicas, search_high)
+        # A recurring burst due within a start-up: its peak is needed now.
+        for_burst = prepared is not None and burst_floor > needed
+        if for_burst:
+            needed = min(burst_floor, search_high)
         record["needed_replicas"] = needed
         record["scale_down_floor"] = down_ok
         record["measured_floor"] = measured_floor
@@ -398,10 +424,17 @@ class Planner:
             self._remember(now, desired)
             if needed + timed_out > total:
                 head = "scale up" if desired > total else f"hold at maxReplicas {hi}"
-                why = (
-                    f"{head}: predicted latency at {coming} replicas exceeds the SLO less "
-                    f"{margin:.0%} margin for the load {horizon:.0f}s ahead; {needed} needed"
-                )
+                if for_burst:
+                    assert prepared is not None
+                    why = f"{head}: {_recurring_words(prepared, now)}; pods take " + (
+                        f"{inputs.pod_startup_s:.0f}s to start"
+                    )
+                else:
+                    why = (
+                        f"{head}: predicted latency at {coming} replicas exceeds the SLO "
+                        f"less {margin:.0%} margin for the load {horizon:.0f}s ahead; "
+                        f"{needed} needed"
+                    )
             else:
                 why = (
                     f"scale up to minReplicas {lo} (spec bound); {needed} needed for the "
@@ -452,7 +485,9 @@ class Planner:
                 record,
                 *reported("measured", n_after),
             )
-        if load_floor < total <= burst_floor + timed_out:
+        if load_floor < total <= burst_floor + timed_out and prepared is not None:
+            why = f"hold: {_recurring_words(prepared, now)}"
+        elif load_floor < total <= burst_floor + timed_out:
             ago = now - (self._last_burst if self._last_burst is not None else now)
             why = (
                 f"hold: a burst faster than pod start-up was seen {ago:.0f}s ago; "
@@ -608,8 +643,14 @@ class Planner:
 
     def _burst_floor(
         self, now: float, needed: int, horizon: float, record: dict[str, object]
-    ) -> int:
-        """Peak need of the last burst, for the burst memory after it; 0 when none.
+    ) -> tuple[int, RecurringBurst | None]:
+        """The floor bursts ask for, and the recurring burst it prepares for (if so).
+
+        Bursts at a steady period (see :mod:`~stepscale_operator.burst_recurrence`):
+        from one look-ahead horizon (plus the period's jitter) before the next is
+        due until it comes, the floor is the recent bursts' peak need; between
+        bursts there is none. Otherwise the floor is the last burst's peak need,
+        kept for ``burst_memory_s`` after it (0 when none).
 
         The peak counts from the low point the burst rose from: a higher need met
         before the burst (an earlier daily peak) is not what a recurring burst
@@ -631,13 +672,30 @@ class Planner:
         before = [r for r in self._needs if r.time >= max(now - horizon, warmed)]
         low = min(r.replicas for r in before) if before else needed
         if needed - low >= policy.burst_min_step and needed >= policy.burst_ratio * max(low, 1):
+            new_burst = self._last_burst is None or now - self._last_burst > horizon
             self._last_burst = now
             # The rise began after the last time the need was at its low.
             self._burst_began = max(r.time for r in before if r.replicas == low)
+            if new_burst:
+                # Its beat: when the need crossed halfway up. The low point's time
+                # wanders with the noise of the need before the burst (3, 4, 3...),
+                # by up to a horizon; the halfway crossing is where the rise is steep.
+                halfway = min(r.time for r in before if 2 * r.replicas >= low + needed)
+                self._recurrence.burst_began(halfway, needed)
         record["burst_seen_s_ago"] = None if self._last_burst is None else now - self._last_burst
-        if self._last_burst is None or now - self._last_burst > policy.burst_memory_s:
-            return 0
-        return max(r.replicas for r in self._needs if r.time >= self._burst_began)
+        memory = 0
+        if self._last_burst is not None and now - self._last_burst <= policy.burst_memory_s:
+            memory = max(r.replicas for r in self._needs if r.time >= self._burst_began)
+            self._recurrence.burst_need(memory)
+        recurring = self._recurrence.expected(now)
+        record["burst_period_s"] = recurring.period_s if recurring is not None else None
+        record["next_burst_in_s"] = recurring.next_onset - now if recurring is not None else None
+        if recurring is None:
+            return memory, None
+        lead = horizon + max(recurring.jitter_s, policy.lookahead_extra_s)
+        if now >= recurring.next_onset - lead:
+            return recurring.peak_need, recurring
+        return 0, None
 
     def _stale_reason(self, inputs: PlannerInputs, now: float) -> str:
         load = inputs.load

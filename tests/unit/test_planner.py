@@ -738,3 +738,80 @@ def test_fewer_generated_tokens_at_the_same_prompt_rate_is_a_real_drop() -> None
     start = total
     total, t = _run_steady(planner, light, total, t, t + 300.0)
     assert total < start
+
+
+# -- recurring bursts -----------------------------------------------------------------
+
+
+def _bursts_every(
+    planner: Planner, period: float, count: int, until: float, burst_s: float = 150.0
+) -> list[tuple[float, int, str]]:
+    """Drive ``planner`` every 10 s through bursts (20 -> 100 req/s for ``burst_s``)
+    starting at 300 s and every ``period`` after, ``count`` of them; pods start at
+    once. Returns (time, desired, reason) per decision."""
+    onsets = [300.0 + k * period for k in range(count)]
+    total = needed_for(load_of(20.0), planner.policy)
+    out: list[tuple[float, int, str]] = []
+    t = 0.0
+    while t < until:
+        bursting = any(o <= t < o + burst_s for o in onsets)
+        load = load_of(100.0 if bursting else 20.0)
+        d = planner.decide(inputs_for(load, total, now=t), now=t)
+        total = d.desired_replicas
+        out.append((t, total, d.reason))
+        t += 10.0
+    return out
+
+
+def test_bursts_at_a_steady_period_are_prepared_for_and_let_go_between() -> None:
+    # Every 20 minutes: longer than the burst memory (15 minutes), so the memory
+    # alone meets each burst with the base fleet.
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
+    assert peak >= base + 3
+    learning = {t: (n, why) for t, n, why in _bursts_every(Planner(policy), 1200.0, 4, 4000.0)}
+    without = Planner(replace(policy, recurring_bursts=0))
+    memory_only = {t: (n, why) for t, n, why in _bursts_every(without, 1200.0, 4, 4000.0)}
+    # Bursts two and three are met by the base fleet either way: no pattern yet.
+    for onset in (1500.0, 2700.0):
+        assert learning[onset - 10.0][0] == memory_only[onset - 10.0][0] == base
+    # After the third, the fourth (due at 3900) is prepared one start-up (60 s)
+    # plus the decision period ahead, not earlier; the memory alone does not.
+    assert learning[3810.0][0] == base
+    n, why = learning[3820.0]
+    assert n >= peak and "bursts recur every 1200s" in why and "due in 80s" in why
+    assert memory_only[3890.0][0] == base
+    # Between bursts three and four the pattern lets the capacity go at once (the
+    # 60 s window); the memory holds it for 15 minutes.
+    assert learning[3000.0][0] == base
+    assert memory_only[3000.0][0] >= peak
+
+
+def test_a_recurring_burst_that_does_not_come_is_not_waited_for() -> None:
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
+    # Three bursts 1200 s apart; the fourth, due at 3900, never comes.
+    run = {t: n for t, n, _ in _bursts_every(Planner(policy), 1200.0, 3, 4400.0)}
+    assert run[3850.0] >= peak  # prepared for it
+    # Overdue 10% of the period after it was due (4020 s): let go after the window.
+    assert run[4000.0] >= peak
+    assert run[4200.0] == base
+
+
+def test_irregular_bursts_are_met_by_the_memory_not_prepared_for() -> None:
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    base = needed_for(load_of(20.0), policy)
+    planner = Planner(policy)
+    total = base
+    onsets = (300.0, 1500.0, 3300.0)  # gaps of 1200 and 1800 s
+    reasons = []
+    t = 0.0
+    while t < 5200.0:
+        load = load_of(100.0 if any(o <= t < o + 150.0 for o in onsets) else 20.0)
+        d = planner.decide(inputs_for(load, total, now=t), now=t)
+        total = d.desired_replicas
+        reasons.append(d.reason)
+        assert d.inputs["burst_period_s"] is None, t
+        t += 10.0
+    assert not any("recur" in why for why in reasons)
+    assert total == base
