@@ -14,7 +14,10 @@ window can use fewer GPU-hours.
 The Dynamo-style baseline also runs with more headroom (``dynamo@0.2`` ...), so
 "fewer GPU-hours at equal or better attainment" compares against the cheapest of
 its settings that attains as much as ours, not against a cheap run that misses.
-``--quick`` shortens both scenarios for iterating; ``--jobs`` (default 2) runs
+A third scenario has the same bursts every 20 minutes, more slowly than the
+planner's burst memory lasts, so only learning their period prepares for them;
+there ``ours@memory`` (ours without that) runs beside ours.
+``--quick`` shortens the scenarios for iterating; ``--jobs`` (default 2) runs
 policies in parallel processes. Prints the table, the planner's prediction accuracy
 (predicted vs simulated TTFT/ITL at the replica counts it ran), PASS/FAIL for each
 of the issue's targets per scenario, and the simulator's speed; writes
@@ -60,6 +63,7 @@ from stepscale_operator.simulator.scenario import (
     run_policies,
 )
 from stepscale_operator.simulator.traffic import (
+    BURST_PERIOD_S,
     Traffic,
     burst_windows,
     load_azure_csv,
@@ -70,6 +74,9 @@ REPO = Path(__file__).resolve().parent.parent
 TRACE = REPO.parent / "shared" / "traces" / "azure_llm_conv_2023.csv"
 SLO = SloTargets(ttft_ms=1000.0, itl_ms=40.0)
 BURSTS = "synthetic-bursts"
+# Bursts that recur more slowly than the planner's burst memory lasts (15 min).
+SLOW_BURSTS = "synthetic-bursts-20min"
+SLOW_BURST_PERIOD_S = 1200.0
 SETUP = ScalingSetup(slo=SLO, limits=EngineLimits(), startup_s=60.0, max_replicas=64)
 
 
@@ -117,10 +124,10 @@ def judge(
     return verdicts
 
 
-def burst_attainment(result: SimResult, duration_s: float) -> list[float]:
+def burst_attainment(result: SimResult, duration_s: float, period_s: float) -> list[float]:
     """Attainment in each burst of the synthetic bursts, then over everything after
     the first burst (the part a policy that has seen one burst can be judged on)."""
-    windows = burst_windows(duration_s)
+    windows = burst_windows(duration_s, period_s)
     if not windows:
         return []
     after_first = (windows[0][1], duration_s)
@@ -163,7 +170,7 @@ def _judge_scenario(
                 f"{name} "
                 + " / ".join(f"{share:.1%}" for share in bursts[name][:-1])
                 + f", after {bursts[name][-1]:.2%}"
-                for name in ("ours", "hindsight", "oracle")
+                for name in ("ours", "ours@memory", "hindsight", "oracle")
                 if name in bursts
             ),
             None,
@@ -298,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-rps", type=float, default=40.0)
     parser.add_argument("--burst-duration-s", type=float, default=1800.0)
     parser.add_argument(
+        "--slow-burst-duration-s",
+        type=float,
+        default=5400.0,
+        help=f"length of the bursts every {SLOW_BURST_PERIOD_S:.0f} s (0: not run)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="shortened scenarios for iterating: first 30 min of the trace, 20 min of bursts",
@@ -307,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--policies",
-        default=",".join((*POLICY_NAMES, *DYNAMO_SWEEP)),
+        default=",".join((*POLICY_NAMES, "ours@memory", *DYNAMO_SWEEP)),
         help="policies to run; dynamo@H is the Dynamo-style baseline aiming H below the SLO",
     )
     parser.add_argument("--out", default=str(REPO / "results"))
@@ -315,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.duration_s = args.duration_s or 1800.0
         args.burst_duration_s = min(args.burst_duration_s, 1200.0)
+        args.slow_burst_duration_s = min(args.slow_burst_duration_s, 4200.0)
     names = [n for n in args.policies.split(",") if n]
     _SEED = args.seed
     out = Path(args.out)
@@ -330,8 +344,18 @@ def main(argv: list[str] | None = None) -> int:
         scenarios.append((f"azure-conv-x{args.rate_scale:g}", scaled))
     else:
         print(f"(no trace at {TRACE}: synthetic scenario only)", file=sys.stderr)
+    burst_periods = {BURSTS: BURST_PERIOD_S, SLOW_BURSTS: SLOW_BURST_PERIOD_S}
     bursts = synthetic("bursts", args.burst_duration_s, args.burst_rps, seed=args.seed)
     scenarios.append((BURSTS, bursts))
+    if args.slow_burst_duration_s > 0.0:
+        slow = synthetic(
+            "bursts",
+            args.slow_burst_duration_s,
+            args.burst_rps,
+            seed=args.seed,
+            burst_period_s=SLOW_BURST_PERIOD_S,
+        )
+        scenarios.append((SLOW_BURSTS, slow))
 
     began = time.perf_counter()
     sizings: dict[str, dict[str, float]] = {}
@@ -353,11 +377,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
 
-    jobs = [(scenario, policy) for scenario, _ in scenarios for policy in names]
+    # The burst memory alone (``ours@memory``) differs from ours only on bursts.
+    jobs = [
+        (scenario, policy)
+        for scenario, _ in scenarios
+        for policy in names
+        if policy != "ours@memory" or scenario in burst_periods
+    ]
     outcomes: dict[tuple[str, str], tuple[RunSummary, SimResult, dict[str, float]]] = {}
     if args.jobs > 1:
         # Longest first (the FPM-driven run and the big fleets on the trace).
-        order = sorted(jobs, key=lambda j: (j[0] != scenarios[0][0], j[1] != "ours"))
+        order = sorted(
+            jobs, key=lambda j: (not j[1].startswith("ours"), j[0] != scenarios[0][0])
+        )
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
             for job, outcome in zip(order, pool.map(_run_one, order), strict=True):
@@ -377,9 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(summary)
         if acc:
             accuracy[job[0]] = acc
-        if job[0] == BURSTS:
+        if job[0] in burst_periods:
             per_burst.setdefault(job[0], {})[job[1]] = burst_attainment(
-                result, result.traffic.duration_s
+                result, result.traffic.duration_s, burst_periods[job[0]]
             )
         if job[1] in POLICY_NAMES:  # the sweep's extra settings would clutter the plot
             plotted.setdefault(job[0], []).append(result)

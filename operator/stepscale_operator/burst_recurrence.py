@@ -7,11 +7,13 @@ the next one comes: bursts every ten minutes hold the peak through every gap,
 and bursts every hour (a cron job, a batch pipeline, an hourly sync) outlive it
 and hit an unprepared fleet each time.
 
-Once the gaps between the last few burst onsets agree, the bursts recur at a
-period: the planner prepares the peak need one pod start-up before the next
-onset is due and lets the memory go in between. A burst that comes off the
-beat (early, or not at all) breaks the pattern and the planner falls back to
-the memory until a steady period shows again.
+Two onsets give a period to prepare for: the planner provisions the peak need
+one pod start-up before the next onset is due. That is cheap when wrong (the
+capacity waits a little, then goes). Letting capacity go between bursts is not:
+the memory is dropped only once the gaps between the last few onsets agree, and
+the bursts are known to recur at that period. A burst that comes off the beat
+(early, or not at all) breaks the pattern and the planner falls back to the
+memory until a steady period shows again.
 
 Pure and deterministic: onsets and needs in, a :class:`RecurringBurst` out.
 """
@@ -24,13 +26,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RecurringBurst:
-    """The next burst of a steady pattern."""
+    """The next burst of a pattern."""
 
     period_s: float  # mean gap between the recent onsets
     next_onset: float  # when the next burst is due (last onset + period)
-    jitter_s: float  # spread of the recent gaps: how early or late it may come
+    # How early or late it may come: the spread of the recent gaps, or, with one
+    # gap, the tolerance.
+    jitter_s: float
     peak_need: int  # replicas the recent bursts needed at most
     bursts: int  # onsets the pattern rests on
+    confirmed: bool  # as many onsets as required, at gaps that agree
 
 
 @dataclass
@@ -40,21 +45,21 @@ class _Burst:
 
 
 class BurstRecurrence:
-    """The last ``bursts`` burst onsets and their peak needs; a period once their
-    gaps agree within ``tolerance`` of it.
+    """The last ``bursts`` burst onsets and their peak needs.
 
-    ``bursts`` < 3 disables it (two onsets give one gap, which nothing confirms).
+    Two onsets give a tentative period; ``bursts`` of them at gaps that agree within
+    ``tolerance`` of their mean confirm it. ``bursts`` < 2 disables it.
     """
 
     def __init__(self, bursts: int = 3, tolerance: float = 0.1) -> None:
         self.required = bursts
         self.tolerance = tolerance
-        self._bursts: deque[_Burst] = deque(maxlen=max(bursts, 1))
+        self._bursts: deque[_Burst] = deque(maxlen=max(bursts, 2))
 
     def burst_began(self, onset: float, need: int) -> None:
         """A new burst, rising from ``onset``; ``need`` is its need so far."""
         if self._bursts and onset <= self._bursts[-1].onset:
-            return  # the same burst seen again (its low point moved back)
+            return  # the same burst seen again
         self._bursts.append(_Burst(onset, need))
 
     def burst_need(self, need: int) -> None:
@@ -68,16 +73,18 @@ class BurstRecurrence:
         Overdue: later than the period's tolerance past its due time. A burst that
         did not come ends the pattern (the planner falls back to its memory).
         """
-        if self.required < 3 or len(self._bursts) < self.required:
+        if self.required < 2 or len(self._bursts) < 2:
             return None
         onsets = [b.onset for b in self._bursts]
         gaps = [b - a for a, b in zip(onsets, onsets[1:], strict=False)]
         period = sum(gaps) / len(gaps)
-        jitter = max(gaps) - min(gaps)
-        if period <= 0.0 or jitter > self.tolerance * period:
+        spread = max(gaps) - min(gaps)
+        if period <= 0.0 or spread > self.tolerance * period:
             return None
         due = onsets[-1] + period
         if now > due + self.tolerance * period:
             return None
+        jitter = spread if len(gaps) > 1 else self.tolerance * period
         peak = max(b.peak_need for b in self._bursts)
-        return RecurringBurst(period, due, jitter, peak, len(onsets))
+        confirmed = len(onsets) >= self.required
+        return RecurringBurst(period, due, jitter, peak, len(onsets), confirmed)

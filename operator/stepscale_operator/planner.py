@@ -157,10 +157,10 @@ class PlannerPolicy:
     burst_ratio: float = 1.6
     burst_min_step: int = 3
     burst_memory_s: float = 900.0
-    # Bursts recur: once the gaps between the last ``recurring_bursts`` onsets agree
-    # within ``burst_period_tolerance`` of their mean, the next burst's peak need is
-    # provisioned one look-ahead horizon before it is due, and the memory is let go
-    # between bursts (0: never; the memory alone).
+    # Bursts recur: after two onsets, the next burst's peak need is provisioned one
+    # look-ahead horizon before it is due; once the gaps between the last
+    # ``recurring_bursts`` onsets agree within ``burst_period_tolerance`` of their
+    # mean, the memory is also let go between bursts (0: neither; the memory alone).
     recurring_bursts: int = 3
     burst_period_tolerance: float = 0.1
     advisory: bool = False  # decide and explain, but change nothing
@@ -646,11 +646,11 @@ class Planner:
     ) -> tuple[int, RecurringBurst | None]:
         """The floor bursts ask for, and the recurring burst it prepares for (if so).
 
-        Bursts at a steady period (see :mod:`~stepscale_operator.burst_recurrence`):
-        from one look-ahead horizon (plus the period's jitter) before the next is
-        due until it comes, the floor is the recent bursts' peak need; between
-        bursts there is none. Otherwise the floor is the last burst's peak need,
-        kept for ``burst_memory_s`` after it (0 when none).
+        Bursts at a period (see :mod:`~stepscale_operator.burst_recurrence`): from
+        one look-ahead horizon (plus the period's jitter) before the next is due
+        until it comes, the floor is the recent bursts' peak need; between bursts
+        of a confirmed period there is none. Otherwise the floor is the last
+        burst's peak need, kept for ``burst_memory_s`` after it (0 when none).
 
         The peak counts from the low point the burst rose from: a higher need met
         before the burst (an earlier daily peak) is not what a recurring burst
@@ -693,9 +693,15 @@ class Planner:
         if recurring is None:
             return memory, None
         lead = horizon + max(recurring.jitter_s, policy.lookahead_extra_s)
-        if now >= recurring.next_onset - lead:
+        due_soon = now >= recurring.next_onset - lead
+        if recurring.confirmed:
+            return (recurring.peak_need, recurring) if due_soon else (0, None)
+        # A tentative period (one gap): prepare for the next burst, which costs a
+        # start-up's worth of capacity if it does not come, but keep the memory:
+        # one gap says nothing of what comes in between.
+        if due_soon and recurring.peak_need > memory:
             return recurring.peak_need, recurring
-        return 0, None
+        return memory, None
 
     def _stale_reason(self, inputs: PlannerInputs, now: float) -> str:
         load = inputs.load

@@ -9,12 +9,18 @@ from stepscale_operator.burst_recurrence import BurstRecurrence
 
 def test_three_evenly_spaced_bursts_give_the_next_one() -> None:
     bursts = BurstRecurrence(bursts=3, tolerance=0.1)
+    assert bursts.expected(0.0) is None
     for k, onset in enumerate((300.0, 905.0, 1500.0)):
-        assert bursts.expected(onset) is None  # not before the third
         bursts.burst_began(onset, need=5)
         bursts.burst_need(7 + k)  # the peak comes after the onset
+        if k == 1:
+            # Two onsets: a tentative period, its jitter the whole tolerance.
+            tentative = bursts.expected(1000.0)
+            assert tentative is not None and not tentative.confirmed
+            assert tentative.next_onset == pytest.approx(1510.0)
+            assert tentative.jitter_s == pytest.approx(60.5)
     nxt = bursts.expected(1600.0)
-    assert nxt is not None
+    assert nxt is not None and nxt.confirmed
     assert nxt.period_s == pytest.approx(600.0)
     assert nxt.next_onset == pytest.approx(2100.0)
     assert nxt.jitter_s == pytest.approx(10.0)  # gaps 605 and 595
@@ -44,9 +50,17 @@ def test_the_same_burst_seen_again_is_not_a_new_onset() -> None:
     assert nxt is not None and nxt.period_s == pytest.approx(600.0)
 
 
-@pytest.mark.parametrize("required", [0, 1, 2])
-def test_fewer_than_three_bursts_never_make_a_pattern(required: int) -> None:
+@pytest.mark.parametrize("required", [0, 1])
+def test_fewer_than_two_required_bursts_disable_it(required: int) -> None:
     bursts = BurstRecurrence(bursts=required, tolerance=0.1)
     for onset in (0.0, 600.0, 1200.0, 1800.0):
         bursts.burst_began(onset, need=4)
     assert bursts.expected(1900.0) is None
+
+
+def test_two_required_bursts_confirm_on_one_gap() -> None:
+    bursts = BurstRecurrence(bursts=2, tolerance=0.1)
+    for onset in (0.0, 600.0):
+        bursts.burst_began(onset, need=4)
+    nxt = bursts.expected(700.0)
+    assert nxt is not None and nxt.confirmed and nxt.next_onset == pytest.approx(1200.0)

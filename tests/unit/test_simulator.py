@@ -226,6 +226,12 @@ def test_synthetic_shapes() -> None:
     outside = np.array([all(x + 10.0 <= a or x >= b for a, b in windows) for x in starts])
     assert per_10s[outside].mean() == pytest.approx(100.0, rel=0.15)
     assert per_10s[inside].mean() > 1.7 * per_10s[outside].mean()
+    # Another period: the same bursts, further apart.
+    slow = synthetic("bursts", duration_s=3000.0, base_rps=10.0, seed=2, burst_period_s=1200.0)
+    assert burst_windows(3000.0, 1200.0) == [(300.0, 510.0), (1500.0, 1710.0), (2700.0, 2910.0)]
+    between = np.count_nonzero((slow.arrival_s >= 900) & (slow.arrival_s < 1000))
+    during = np.count_nonzero((slow.arrival_s >= 1550) & (slow.arrival_s < 1650))
+    assert 2.0 < during / between < 3.0
     steps = synthetic("steps", duration_s=1000.0, base_rps=10.0, seed=2)
     first = np.count_nonzero(steps.arrival_s < 200)
     second = np.count_nonzero((steps.arrival_s >= 200) & (steps.arrival_s < 400))
@@ -317,6 +323,17 @@ def test_hindsight_sizes_to_the_highest_need_seen_and_never_ahead() -> None:
     first = int(np.argmax(needs > needs[0])) * 10.0
     before = FleetView(first - 20.0, 1, (), 0.0, None, 0)
     assert hindsight.desired(before) < OraclePolicy(traffic, setup, 5.0).desired(before)
+
+
+def test_ours_at_memory_is_ours_without_recurring_bursts() -> None:
+    setup = ScalingSetup(SloTargets(1000.0, 40.0), EngineLimits(), startup_s=30.0)
+    traffic = synthetic("flat", duration_s=60.0, base_rps=2.0, seed=1)
+    ours = build_policy("ours", traffic, setup, H100_LLAMA_8B, PlannerPolicy())
+    memory = build_policy("ours@memory", traffic, setup, H100_LLAMA_8B, PlannerPolicy())
+    assert isinstance(ours, PlannerDrivenPolicy) and isinstance(memory, PlannerDrivenPolicy)
+    assert memory.name == "ours@memory" and ours.name == "ours"
+    assert ours.planner.policy.recurring_bursts >= 3
+    assert memory.planner.policy == replace(ours.planner.policy, recurring_bursts=0)
 
 
 def test_windowed_oracle_scales_down_only_after_its_window() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -115,6 +115,10 @@ def build_policy(
         sizing = ground_truth_sizing(traffic, setup, profile, planner_policy)
     if name == "ours":
         return PlannerDrivenPolicy(setup, planner=Planner(planner_policy))
+    if name == "ours@memory":
+        # Ours without preparing for recurring bursts: the burst memory alone.
+        memory_only = replace(planner_policy, recurring_bursts=0)
+        return PlannerDrivenPolicy(setup, planner=Planner(memory_only), name=name)
     if name == "static":
         assert sizing is not None
         return StaticPolicy(int(sizing.needs.max()))

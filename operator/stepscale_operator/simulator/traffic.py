@@ -31,7 +31,9 @@ BURST_HOLD_S = 150.0
 BURST_LEVEL = 2.5
 
 
-def burst_windows(duration_s: float) -> list[tuple[float, float]]:
+def burst_windows(
+    duration_s: float, period_s: float = BURST_PERIOD_S
+) -> list[tuple[float, float]]:
     """``(start, end)`` of each burst of the "bursts" kind that begins within
     ``duration_s``: from the start of its ramp up to the end of its ramp down."""
     length = 2.0 * BURST_RAMP_S + BURST_HOLD_S
@@ -39,7 +41,7 @@ def burst_windows(duration_s: float) -> list[tuple[float, float]]:
     start = BURST_WARMUP_S
     while start < duration_s:
         windows.append((start, min(start + length, duration_s)))
-        start += BURST_PERIOD_S
+        start += period_s
     return windows
 
 
@@ -172,8 +174,11 @@ def load_trace(path: str | Path) -> Traffic:
     raise ValueError(f"unknown trace format {suffix!r}: expected .csv or .jsonl")
 
 
-def rate_function(kind: str, base_rps: float, duration_s: float) -> Callable[[float], float]:
-    """Requests per second over time for a synthetic ``kind`` (see ``SYNTHETIC_KINDS``)."""
+def rate_function(
+    kind: str, base_rps: float, duration_s: float, burst_period_s: float = BURST_PERIOD_S
+) -> Callable[[float], float]:
+    """Requests per second over time for a synthetic ``kind`` (see ``SYNTHETIC_KINDS``);
+    ``burst_period_s`` is the time from one burst's start to the next's ("bursts")."""
     if kind == "flat":
         return lambda t: base_rps
     if kind == "diurnal":
@@ -184,7 +189,7 @@ def rate_function(kind: str, base_rps: float, duration_s: float) -> Callable[[fl
         def bursts(t: float) -> float:
             if t < BURST_WARMUP_S:
                 return base_rps
-            phase = (t - BURST_WARMUP_S) % BURST_PERIOD_S
+            phase = (t - BURST_WARMUP_S) % burst_period_s
             rise = BURST_LEVEL - 1.0
             if phase < BURST_RAMP_S:
                 level = 1.0 + rise * phase / BURST_RAMP_S
@@ -210,13 +215,14 @@ def synthetic(
     mean_prompt: float = 1100.0,
     mean_output: float = 200.0,
     seed: int = 0,
+    burst_period_s: float = BURST_PERIOD_S,
 ) -> Traffic:
     """Poisson arrivals with a time-varying rate; log-normal prompt and output lengths.
 
     Lengths have a coefficient of variation of about 1, like the Azure
     conversation trace (prompt mean ~1150, output mean ~210).
     """
-    rate = rate_function(kind, base_rps, duration_s)
+    rate = rate_function(kind, base_rps, duration_s, burst_period_s)
     rng = np.random.default_rng(seed)
     peak = max(rate(t) for t in np.linspace(0.0, duration_s, 2001)) * 1.05
     # Thinning: candidates at the peak rate, each kept with probability rate/peak.
