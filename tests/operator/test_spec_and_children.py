@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from stepscale_operator.controller.autoscaler import planner_policy
 from stepscale_operator.controller.children import (
     INSTANCE_LABEL,
     build_deployment,
@@ -38,6 +39,16 @@ def test_defaults_match_the_crd_defaults() -> None:
     assert (spec.autoscaling.min_replicas, spec.autoscaling.max_replicas) == (1, 8)
     assert spec.autoscaling.slo.ttft_ms == 1000.0 and spec.autoscaling.slo.itl_ms == 50.0
     assert spec.resources.gpus == 1 and spec.engine.max_num_batched_tokens == 2048
+    assert spec.autoscaling.burst_memory_s == 900.0 and spec.autoscaling.recurring_bursts == 3
+
+
+def test_burst_settings_reach_the_planner() -> None:
+    spec = parse_spec(
+        spec_with(autoscaling={"bursts": {"memorySeconds": 1800, "recurringAfter": 0}})
+    )
+    policy = planner_policy(spec)
+    assert policy.burst_memory_s == 1800.0 and policy.recurring_bursts == 0
+    assert planner_policy(parse_spec(BASE)).recurring_bursts == 3
 
 
 @pytest.mark.parametrize(
@@ -50,6 +61,10 @@ def test_defaults_match_the_crd_defaults() -> None:
         ({"engine": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}}, "raise maxNumBatchedTokens"),
         ({"env": [{"name": "STEPSCALE_FPM_PORT", "value": "1"}]}, "STEPSCALE_FPM_"),
         ({"autoscaling": {"mode": "yolo"}}, "must be one of auto, advisory"),
+        (
+            {"autoscaling": {"bursts": {"recurringAfter": -1}}},
+            "spec.autoscaling.bursts.recurringAfter: must be >= 0",
+        ),
         ({"replicas": "two"}, "spec.replicas: must be an integer"),
         ({"autoscaling": {"slo": {"itlMs": 0}}}, "spec.autoscaling.slo.itlMs: must be > 0"),
         ({"model": ""}, "spec.model"),

@@ -83,6 +83,8 @@ def planner_policy(spec: VllmDeploymentSpec) -> PlannerPolicy:
         scale_down_step=a.scale_down_max_step,
         scale_down_stabilization_s=silence_safe_window(a),
         initial_hold_s=a.scale_down_initial_hold_s,
+        burst_memory_s=a.burst_memory_s,
+        recurring_bursts=a.recurring_bursts,
         starting_timeout_s=max(600.0, 5.0 * a.startup_s),
         # A load estimate is made every round; it is "old" only if rounds stall.
         max_load_age_s=max(30.0, 3.0 * a.interval_s),

@@ -106,6 +106,8 @@ class AutoscalingSpec:
     scale_down_stabilization_s: float = 120.0
     scale_down_initial_hold_s: float = 300.0
     scale_down_max_step: int = 1
+    burst_memory_s: float = 900.0
+    recurring_bursts: int = 3
     startup_s: float = 120.0
     load_window_s: float = 30.0
     stale_after_s: float = 3.0
@@ -418,6 +420,7 @@ def _parse_autoscaling(r: _Reader, raw: Mapping[str, Any], p: str) -> Autoscalin
     slo = r.section(raw, "slo", p)
     up = r.section(raw, "scaleUp", p)
     down = r.section(raw, "scaleDown", p)
+    bursts = r.section(raw, "bursts", p)
     metrics = r.section(raw, "metrics", p)
     cm = r.section(raw, "costModel", p)
     cmp = f"{p}.costModel"
@@ -456,6 +459,8 @@ def _parse_autoscaling(r: _Reader, raw: Mapping[str, Any], p: str) -> Autoscalin
             down, "initialHoldSeconds", f"{p}.scaleDown", 300.0, 0.0
         ),
         scale_down_max_step=r.integer(down, "maxStep", f"{p}.scaleDown", 1, 1),
+        burst_memory_s=r.number(bursts, "memorySeconds", f"{p}.bursts", 900.0, 0.0),
+        recurring_bursts=r.integer(bursts, "recurringAfter", f"{p}.bursts", 3, 0),
         startup_s=r.number(raw, "startupSeconds", p, 120.0, 0.0),
         load_window_s=r.number(metrics, "windowSeconds", f"{p}.metrics", 30.0, 1.0),
         stale_after_s=r.number(metrics, "staleAfterSeconds", f"{p}.metrics", 3.0, 1.0),
