@@ -690,6 +690,8 @@ class Planner:
         recurring = self._recurrence.expected(now)
         record["burst_period_s"] = recurring.period_s if recurring is not None else None
         record["next_burst_in_s"] = recurring.next_onset - now if recurring is not None else None
+        record["recurring_burst_need"] = recurring.peak_need if recurring is not None else None
+        record["burst_period_confirmed"] = recurring.confirmed if recurring is not None else None
         if recurring is None:
             return memory, None
         lead = horizon + max(recurring.jitter_s, policy.lookahead_extra_s)

@@ -9,6 +9,7 @@ status built from a real, fitted core must come through unchanged.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,15 @@ from stepscale_operator.controller.spec import QUANTITY_PATTERN, parse_spec
 from stepscale_operator.controller.status import (
     build_conditions,
     build_status,
+    burst_status,
     checkpoint_from_status,
     condition,
 )
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.fpm_pipeline import DeploymentModel
 from stepscale_operator.latency_model import EngineLimits, SloTargets
-from stepscale_operator.planner import Planner, PlannerInputs, ReplicaCounts
+from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.planner import Planner, PlannerInputs, PlannerPolicy, ReplicaCounts
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "vllmdeployment.yaml"
@@ -190,6 +193,66 @@ def test_status_is_json_and_nothing_would_be_pruned() -> None:
         "ScalingActive",
         "Degraded",
     }
+
+
+class _LinearStepTime:
+    def predict(self, sched: ScheduledRequestMetrics) -> float:
+        return 0.006 + 30e-6 * sched.sum_prefill_tokens + 40e-9 * sched.sum_decode_kv_tokens
+
+
+def test_status_says_when_the_next_recurring_burst_is_due() -> None:
+    # Bursts every 600 s (20 -> 100 req/s for 120 s) through a real planner.
+    planner = Planner(replace(PlannerPolicy(), initial_hold_s=0.0))
+    total, t, decisions = 2, 0.0, []
+    while t <= 1600.0:
+        rate = 100.0 if (t - 300.0) % 600.0 < 120.0 and t >= 300.0 else 20.0
+        load = LoadEstimate(
+            window_s=30.0,
+            streams_total=total,
+            streams_missing=0,
+            prefill_tokens_per_s=rate * 1000.0,
+            prefill_cached_tokens_per_s=0.0,
+            prefill_requests_per_s=rate,
+            decode_tokens_per_s=rate * 200.0,
+            mean_prompt_tokens=1000.0,
+            mean_decode_context_tokens=1100.0,
+            prefix_cache_hit_fraction=0.0,
+            queued_prefill_requests=0.0,
+            queued_prefill_tokens=0.0,
+            queued_decode_requests=0.0,
+        )
+        d = planner.decide(
+            PlannerInputs(
+                predictor=_LinearStepTime(),
+                model_ready=True,
+                model_mape=0.02,
+                load=load,
+                load_time=t,
+                replicas=ReplicaCounts(ready=total),
+                slo=SloTargets(1000, 50),
+                min_replicas=1,
+                max_replicas=40,
+                engine=EngineLimits(),
+                pod_startup_s=60,
+            ),
+            t,
+        )
+        total = d.desired_replicas
+        decisions.append(d)
+        t += 10.0
+    assert burst_status(decisions[10]) is None  # before any burst
+    first = burst_status(decisions[40])  # t = 400: after the first
+    assert first is not None and first["lastSeenSecondsAgo"] >= 0.0
+    assert "periodSeconds" not in first
+    # After three bursts at 300, 900, 1500: confirmed, the next due at ~2100.
+    last = burst_status(decisions[-1])
+    assert last is not None and last["confirmed"] is True
+    assert last["periodSeconds"] == pytest.approx(600.0, abs=20.0)
+    assert last["nextDueInSeconds"] == pytest.approx(500.0, abs=20.0)
+    assert isinstance(last["peakNeed"], int) and last["peakNeed"] > 2
+    status_schema = schema()["properties"]["status"]["properties"]["bursts"]
+    assert pruned(last, status_schema) == last
+    assert types_ok(last, status_schema) == []
 
 
 def test_checkpoint_in_status_warm_starts_the_same_model() -> None:

@@ -200,6 +200,24 @@ def decision_status(decision: Decision, wall_s: float, applied: bool) -> dict[st
     }
 
 
+def burst_status(decision: Decision) -> dict[str, Any] | None:
+    """``status.bursts`` from a decision made on the model: the last burst faster than
+    pod start-up and, when bursts recur at a period, the next one; None if none seen."""
+    inputs = decision.inputs
+    seen = inputs.get("burst_seen_s_ago")
+    if not isinstance(seen, int | float):
+        return None
+    out: dict[str, Any] = {"lastSeenSecondsAgo": finite(float(seen), 1)}
+    period = inputs.get("burst_period_s")
+    if isinstance(period, int | float):
+        due = inputs.get("next_burst_in_s")
+        out["periodSeconds"] = finite(float(period), 1)
+        out["nextDueInSeconds"] = finite(float(due), 1) if isinstance(due, int | float) else None
+        out["peakNeed"] = inputs.get("recurring_burst_need")
+        out["confirmed"] = bool(inputs.get("burst_period_confirmed"))
+    return out
+
+
 def stream_status(health: Mapping[str, Any], endpoints: int) -> dict[str, Any]:
     """``status.streams`` from :meth:`StreamTable.health`."""
     stale = list(health.get("stale", []))
@@ -330,6 +348,10 @@ def build_status(
         "streams": stream_status(stream_health or {}, endpoints),
         "updatedAt": rfc3339(now_wall),
     }
+    # Only a decision judged on the model knows of bursts; a hold on stale data
+    # leaves the last known ``bursts`` as it was (absent from the merge patch).
+    if decision is not None and "burst_seen_s_ago" in decision.inputs:
+        status["bursts"] = burst_status(decision)
     cleaned: dict[str, Any] = json_clean(status)
     return cleaned
 
