@@ -684,9 +684,12 @@ class Planner:
                 self._recurrence.burst_began(halfway, needed)
         record["burst_seen_s_ago"] = None if self._last_burst is None else now - self._last_burst
         memory = 0
-        if self._last_burst is not None and now - self._last_burst <= policy.burst_memory_s:
-            memory = max(r.replicas for r in self._needs if r.time >= self._burst_began)
-            self._recurrence.burst_need(memory)
+        if self._last_burst is not None and now - self._last_burst <= keep:
+            peak = max(r.replicas for r in self._needs if r.time >= self._burst_began)
+            # The burst's peak, for the next one of a period (even without a memory).
+            self._recurrence.burst_need(peak)
+            if now - self._last_burst <= policy.burst_memory_s:
+                memory = peak
         recurring = self._recurrence.expected(now)
         record["burst_period_s"] = recurring.period_s if recurring is not None else None
         record["next_burst_in_s"] = recurring.next_onset - now if recurring is not None else None

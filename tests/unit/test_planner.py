@@ -826,3 +826,22 @@ def test_irregular_bursts_break_the_pattern() -> None:
     assert not any("recur" in d.reason for d in late)
     assert "burst" in decisions[3800.0].reason and decisions[3800.0].desired_replicas >= peak
     assert total == base
+
+
+def test_a_recurring_bursts_peak_is_learned_without_a_burst_memory() -> None:
+    # The bursts ramp up over 30 s: the need at detection is below the peak.
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0, burst_memory_s=0.0)
+    base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
+    planner = Planner(policy)
+    total, t = base, 0.0
+    prepared: list[int] = []
+    while t < 1500.0:
+        phase = (t - 300.0) % 600.0 if t >= 300.0 else 1e9
+        rate = 20.0 + 80.0 * min(phase / 30.0, 1.0) if phase < 150.0 else 20.0
+        d = planner.decide(inputs_for(load_of(rate), total, now=t), now=t)
+        total = d.desired_replicas
+        if "bursts recur" in d.reason and d.action == "scale_up":
+            prepared.append(total)
+        t += 10.0
+    # The third burst (due at 1500) is prepared for at the bursts' peak need.
+    assert prepared and prepared[0] >= peak > base
