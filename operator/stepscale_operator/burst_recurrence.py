@@ -21,6 +21,7 @@ Pure and deterministic: onsets and needs in, a :class:`RecurringBurst` out.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -61,6 +62,16 @@ class BurstRecurrence:
         if self._bursts and onset <= self._bursts[-1].onset:
             return  # the same burst seen again
         self._bursts.append(_Burst(onset, need))
+
+    def onsets(self) -> list[tuple[float, int]]:
+        """The remembered bursts, oldest first: (onset, peak need)."""
+        return [(b.onset, b.peak_need) for b in self._bursts]
+
+    def restore(self, onsets: Sequence[tuple[float, int]]) -> None:
+        """Remember these bursts (from :meth:`onsets`, e.g. before a restart) instead."""
+        self._bursts.clear()
+        for onset, peak in sorted(onsets):
+            self.burst_began(onset, peak)
 
     def burst_need(self, need: int) -> None:
         """The current burst needs ``need`` now (its peak is the most of these)."""

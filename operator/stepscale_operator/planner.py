@@ -40,6 +40,7 @@ for the load expected one pod start-up ahead. On top of that:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from stepscale_engine.wire import ScheduledRequestMetrics
@@ -286,6 +287,15 @@ class Planner:
         self._recurrence = BurstRecurrence(
             self.policy.recurring_bursts, self.policy.burst_period_tolerance
         )
+
+    def burst_onsets(self) -> list[tuple[float, int]]:
+        """The bursts the period is learned from: (onset, peak need), on the clock of
+        ``decide``; what to save so a new planner need not learn them again."""
+        return self._recurrence.onsets()
+
+    def restore_burst_onsets(self, onsets: Sequence[tuple[float, int]]) -> None:
+        """Start from bursts seen before (see :meth:`burst_onsets`), on this clock."""
+        self._recurrence.restore(onsets)
 
     def decide(self, inputs: PlannerInputs, now: float) -> Decision:
         """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``)."""
@@ -695,6 +705,7 @@ class Planner:
         record["next_burst_in_s"] = recurring.next_onset - now if recurring is not None else None
         record["recurring_burst_need"] = recurring.peak_need if recurring is not None else None
         record["burst_period_confirmed"] = recurring.confirmed if recurring is not None else None
+        record["burst_onsets"] = [[onset, peak] for onset, peak in self._recurrence.onsets()]
         if recurring is None:
             return memory, None
         lead = horizon + max(recurring.jitter_s, policy.lookahead_extra_s)

@@ -181,3 +181,30 @@ def test_totals_keep_what_a_forgotten_stream_sent() -> None:
         autoscaler.close()
         for publisher in publishers.values():
             publisher.close()
+
+
+def test_learned_bursts_survive_a_restart_and_a_spec_change() -> None:
+    """Saved as wall-clock onsets, restored on the new autoscaler's own clock."""
+    spec = parse_spec({"model": "m", "image": "i", "fpm": {"basePort": 20390}})
+    wall_now, mono_now = 1.7e9, 5000.0
+    saved = [(wall_now - 1500.0, 7), (wall_now - 900.0, 8), (wall_now - 300.0, 7)]
+    autoscaler = DeploymentAutoscaler(
+        "ns/chat", spec, bursts=saved, clock=lambda: mono_now, wall_clock=lambda: wall_now
+    )
+    try:
+        assert autoscaler.planner.burst_onsets() == [(3500.0, 7), (4100.0, 8), (4700.0, 7)]
+        # A spec change that rebuilds the planner keeps what it learned.
+        changed = parse_spec(
+            {
+                "model": "m",
+                "image": "i",
+                "fpm": {"basePort": 20390},
+                "autoscaling": {"scaleUp": {"maxSurge": 2}},
+            }
+        )
+        old_planner = autoscaler.planner
+        autoscaler.reconfigure(changed)
+        assert autoscaler.planner is not old_planner
+        assert autoscaler.planner.burst_onsets() == [(3500.0, 7), (4100.0, 8), (4700.0, 7)]
+    finally:
+        autoscaler.close()

@@ -25,6 +25,7 @@ from stepscale_operator.controller.status import (
     build_conditions,
     build_status,
     burst_status,
+    bursts_from_status,
     checkpoint_from_status,
     condition,
 )
@@ -240,12 +241,12 @@ def test_status_says_when_the_next_recurring_burst_is_due() -> None:
         total = d.desired_replicas
         decisions.append(d)
         t += 10.0
-    assert burst_status(decisions[10]) is None  # before any burst
-    first = burst_status(decisions[40])  # t = 400: after the first
+    assert burst_status(decisions[10], 1.7e9) is None  # before any burst
+    first = burst_status(decisions[40], 1.7e9)  # t = 400: after the first
     assert first is not None and first["lastSeenSecondsAgo"] >= 0.0
     assert "periodSeconds" not in first
     # After three bursts at 300, 900, 1500: confirmed, the next due at ~2100.
-    last = burst_status(decisions[-1])
+    last = burst_status(decisions[-1], 1.7e9)
     assert last is not None and last["confirmed"] is True
     assert last["periodSeconds"] == pytest.approx(600.0, abs=20.0)
     assert last["nextDueInSeconds"] == pytest.approx(500.0, abs=20.0)
@@ -253,6 +254,17 @@ def test_status_says_when_the_next_recurring_burst_is_due() -> None:
     status_schema = schema()["properties"]["status"]["properties"]["bursts"]
     assert pruned(last, status_schema) == last
     assert types_ok(last, status_schema) == []
+    # The onsets go to status in wall-clock time (the planner's clock is monotonic,
+    # here 0 at 1.7e9 - 1600 s) and come back from it for a restarted operator.
+    wall_now = 1.7e9
+    saved = burst_status(decisions[-1], wall_now)
+    assert saved is not None and len(saved["recent"]) == 3
+    restored = bursts_from_status({"bursts": saved})
+    assert [peak for _, peak in restored] == [peak for _, peak in planner.burst_onsets()]
+    for (wall, _), (mono, _) in zip(restored, planner.burst_onsets(), strict=True):
+        assert wall == pytest.approx(wall_now - (1600.0 - mono), abs=1.0)
+    assert bursts_from_status({"bursts": {"recent": [{"onset": "x"}, 3, {"peakNeed": 2}]}}) == []
+    assert bursts_from_status(None) == []
 
 
 def test_checkpoint_in_status_warm_starts_the_same_model() -> None:

@@ -845,3 +845,22 @@ def test_a_recurring_bursts_peak_is_learned_without_a_burst_memory() -> None:
         t += 10.0
     # The third burst (due at 1500) is prepared for at the bursts' peak need.
     assert prepared and prepared[0] >= peak > base
+
+
+def test_a_new_planner_restored_from_burst_onsets_prepares_for_the_next_burst() -> None:
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
+    learned = Planner(policy)
+    _bursts_every(learned, 1200.0, 3, 3700.0)  # bursts at 300, 1500, 2700
+    onsets = learned.burst_onsets()
+    assert len(onsets) == 3 and max(p for _, p in onsets) >= peak
+    # A restart: a fresh planner that only knows the onsets.
+    fresh, restored = Planner(policy), Planner(policy)
+    restored.restore_burst_onsets(onsets)
+    total_fresh = total_restored = base
+    for t in range(3700, 3900, 10):
+        d_fresh = fresh.decide(inputs_for(load_of(20.0), total_fresh, now=t), now=t)
+        d_restored = restored.decide(inputs_for(load_of(20.0), total_restored, now=t), now=t)
+        total_fresh, total_restored = d_fresh.desired_replicas, d_restored.desired_replicas
+    assert total_fresh == base
+    assert total_restored >= peak and "bursts recur every 1200s (last 3)" in d_restored.reason

@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,9 +127,12 @@ class DeploymentAutoscaler:
         spec: VllmDeploymentSpec,
         *,
         checkpoint: dict[str, Any] | None = None,
+        bursts: Sequence[tuple[float, int]] = (),
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """``checkpoint``: a cost model to start from; ``bursts``: recent bursts
+        (wall-clock onset, peak need) the planner learns their period from again."""
         self.name = name
         self.spec = spec
         self._clock = clock
@@ -144,6 +147,10 @@ class DeploymentAutoscaler:
         cost_model, self.model_origin = new_cost_model(spec, checkpoint)
         self.model = self._new_model(spec, cost_model)
         self.planner = Planner(planner_policy(spec))
+        if bursts:
+            # Saved as wall-clock times; the planner decides on ``clock``.
+            ago = self._wall_clock() - self._clock()
+            self.planner.restore_burst_onsets([(t - ago, peak) for t, peak in bursts])
         self.pods = PodDirectory(spec.fpm_base_port, spec.data_parallel_size)
         self.subscriber = FpmSubscriber(
             self._on_batch, streams=self.model.streams, observe_streams=False, clock=clock
@@ -175,7 +182,9 @@ class DeploymentAutoscaler:
             old = self.spec
             self.spec = spec
             if planner_policy(old) != planner_policy(spec):
+                learned = self.planner.burst_onsets()
                 self.planner = Planner(planner_policy(spec))
+                self.planner.restore_burst_onsets(learned)
             a_old, a_new = old.autoscaling, spec.autoscaling
             if (a_old.load_window_s, a_old.stale_after_s) != (
                 a_new.load_window_s,

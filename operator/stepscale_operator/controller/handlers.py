@@ -60,6 +60,7 @@ from stepscale_operator.controller.spec import (
 from stepscale_operator.controller.status import (
     build_conditions,
     build_status,
+    bursts_from_status,
     checkpoint_from_status,
 )
 from stepscale_operator.stream_state import stream_label
@@ -203,7 +204,10 @@ def start_autoscaler(
 ) -> DeploymentAutoscaler:
     """A new autoscaler for ``key`` (caller holds ``state.lock``), warm from the checkpoint."""
     autoscaler = DeploymentAutoscaler(
-        deployment_label(key), spec, checkpoint=checkpoint_from_status(dict(status))
+        deployment_label(key),
+        spec,
+        checkpoint=checkpoint_from_status(dict(status)),
+        bursts=bursts_from_status(dict(status)),
     )
     state.autoscalers[key] = autoscaler
     for pod in state.pending_pods.pop_owner(key):

@@ -18,6 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from stepscale_operator.controller.discovery import parse_timestamp
 from stepscale_operator.latency_model import LatencyPrediction
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner import Decision
@@ -200,14 +201,23 @@ def decision_status(decision: Decision, wall_s: float, applied: bool) -> dict[st
     }
 
 
-def burst_status(decision: Decision) -> dict[str, Any] | None:
-    """``status.bursts`` from a decision made on the model: the last burst faster than
-    pod start-up and, when bursts recur at a period, the next one; None if none seen."""
+def burst_status(decision: Decision, wall_s: float) -> dict[str, Any] | None:
+    """``status.bursts`` from a decision made on the model (at wall-clock ``wall_s``):
+    the last burst faster than pod start-up, the recent bursts' onsets (what a
+    restarted operator learns the period from again) and, when bursts recur at a
+    period, the next one; None if none seen."""
     inputs = decision.inputs
     seen = inputs.get("burst_seen_s_ago")
     if not isinstance(seen, int | float):
         return None
     out: dict[str, Any] = {"lastSeenSecondsAgo": finite(float(seen), 1)}
+    onsets = inputs.get("burst_onsets")
+    if isinstance(onsets, list) and onsets:
+        # The planner's clock is monotonic; status keeps wall-clock times.
+        out["recent"] = [
+            {"onset": rfc3339(wall_s - (decision.time - float(t))), "peakNeed": int(peak)}
+            for t, peak in onsets
+        ]
     period = inputs.get("burst_period_s")
     if isinstance(period, int | float):
         due = inputs.get("next_burst_in_s")
@@ -351,9 +361,25 @@ def build_status(
     # Only a decision judged on the model knows of bursts; a hold on stale data
     # leaves the last known ``bursts`` as it was (absent from the merge patch).
     if decision is not None and "burst_seen_s_ago" in decision.inputs:
-        status["bursts"] = burst_status(decision)
+        status["bursts"] = burst_status(decision, now_wall)
     cleaned: dict[str, Any] = json_clean(status)
     return cleaned
+
+
+def bursts_from_status(status: Mapping[str, Any] | None) -> list[tuple[float, int]]:
+    """The recent bursts saved in ``status.bursts.recent``: (wall-clock onset, peak
+    need); entries that do not parse are skipped."""
+    bursts = status.get("bursts") if isinstance(status, Mapping) else None
+    recent = bursts.get("recent") if isinstance(bursts, Mapping) else None
+    out: list[tuple[float, int]] = []
+    for item in recent if isinstance(recent, list) else []:
+        if not isinstance(item, Mapping):
+            continue
+        onset = parse_timestamp(item.get("onset"))
+        peak = item.get("peakNeed")
+        if onset is not None and isinstance(peak, int) and not isinstance(peak, bool):
+            out.append((onset, peak))
+    return out
 
 
 def checkpoint_from_status(status: Mapping[str, Any] | None) -> dict[str, Any] | None:
