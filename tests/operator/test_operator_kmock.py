@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from prometheus_client import generate_latest
 
 from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
 from stepscale_operator.controller.handlers import ControllerConfig
+from stepscale_operator.controller.status import rfc3339
 from tests.operator.conftest import (
     DEPLOY_RESOURCE,
     FPM_BASE_PORT,
@@ -278,7 +280,20 @@ async def test_restart_warm_starts_from_status_and_does_not_flap(api, cluster: F
     async with cluster.following("chat"):
         async with operator_running(api):
             scale_down = {"stabilizationWindowSeconds": 5, "initialHoldSeconds": 0}
-            await create(api, vd_path(), vd_body("chat", scaleDown=scale_down))
+            body = vd_body("chat", scaleDown=scale_down)
+            # Bursts an earlier operator learned: three, 10 minutes apart, so long ago
+            # that the next was due 40 minutes back (the pattern is over: no effect
+            # on the decisions here), kept in status for the next operator.
+            now = time.time()
+            body["status"] = {
+                "bursts": {
+                    "recent": [
+                        {"onset": rfc3339(now - ago), "peakNeed": 3}
+                        for ago in (4200.0, 3600.0, 3000.0)
+                    ]
+                }
+            }
+            await create(api, vd_path(), body)
 
             def steady() -> bool:
                 st = status_of(api, "chat")
@@ -293,12 +308,18 @@ async def test_restart_warm_starts_from_status_and_does_not_flap(api, cluster: F
             # Settled at two replicas (a scale-up may overshoot to 3 for a window).
             await eventually(steady, timeout_s=60, what="holding at 2 replicas")
         saved = status_of(api, "chat")["costModel"]
+        # The bursts an earlier operator learned went through this one's status.
+        assert [b["peakNeed"] for b in status_of(api, "chat")["bursts"]["recent"]] == [3, 3, 3]
         replicas_before = deployment_replicas(api, "chat")
         scalings_before = len(scaling_events(api))
         async with operator_running(api) as op:
             await eventually(lambda: events(api, "WarmStart"), what="WarmStart event")
             autoscaler = op.state.autoscalers[KEY]
             assert autoscaler.model_origin == "checkpoint"
+            onsets = autoscaler.planner.burst_onsets()
+            assert [peak for _, peak in onsets] == [3, 3, 3]
+            gaps = [b[0] - a[0] for a, b in zip(onsets, onsets[1:], strict=False)]
+            assert gaps == pytest.approx([600.0, 600.0], abs=2.0)
             model = autoscaler.model.cost_model
             assert model.samples >= saved["samples"]
             for c in saved["coefficients"]:

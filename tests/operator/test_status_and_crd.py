@@ -33,7 +33,13 @@ from stepscale_operator.cost_model import CostModel
 from stepscale_operator.fpm_pipeline import DeploymentModel
 from stepscale_operator.latency_model import EngineLimits, SloTargets
 from stepscale_operator.load_types import LoadEstimate
-from stepscale_operator.planner import Planner, PlannerInputs, PlannerPolicy, ReplicaCounts
+from stepscale_operator.planner import (
+    Decision,
+    Planner,
+    PlannerInputs,
+    PlannerPolicy,
+    ReplicaCounts,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "vllmdeployment.yaml"
@@ -201,43 +207,48 @@ class _LinearStepTime:
         return 0.006 + 30e-6 * sched.sum_prefill_tokens + 40e-9 * sched.sum_decode_kv_tokens
 
 
+def _decide(planner: Planner, t: float, rate: float, total: int) -> Decision:
+    """One planner decision at ``rate`` req/s (1000-token prompts, 200 out) on ``total``."""
+    load = LoadEstimate(
+        window_s=30.0,
+        streams_total=total,
+        streams_missing=0,
+        prefill_tokens_per_s=rate * 1000.0,
+        prefill_cached_tokens_per_s=0.0,
+        prefill_requests_per_s=rate,
+        decode_tokens_per_s=rate * 200.0,
+        mean_prompt_tokens=1000.0,
+        mean_decode_context_tokens=1100.0,
+        prefix_cache_hit_fraction=0.0,
+        queued_prefill_requests=0.0,
+        queued_prefill_tokens=0.0,
+        queued_decode_requests=0.0,
+    )
+    return planner.decide(
+        PlannerInputs(
+            predictor=_LinearStepTime(),
+            model_ready=True,
+            model_mape=0.02,
+            load=load,
+            load_time=t,
+            replicas=ReplicaCounts(ready=total),
+            slo=SloTargets(1000, 50),
+            min_replicas=1,
+            max_replicas=40,
+            engine=EngineLimits(),
+            pod_startup_s=60,
+        ),
+        t,
+    )
+
+
 def test_status_says_when_the_next_recurring_burst_is_due() -> None:
     # Bursts every 600 s (20 -> 100 req/s for 120 s) through a real planner.
     planner = Planner(replace(PlannerPolicy(), initial_hold_s=0.0))
     total, t, decisions = 2, 0.0, []
     while t <= 1600.0:
         rate = 100.0 if (t - 300.0) % 600.0 < 120.0 and t >= 300.0 else 20.0
-        load = LoadEstimate(
-            window_s=30.0,
-            streams_total=total,
-            streams_missing=0,
-            prefill_tokens_per_s=rate * 1000.0,
-            prefill_cached_tokens_per_s=0.0,
-            prefill_requests_per_s=rate,
-            decode_tokens_per_s=rate * 200.0,
-            mean_prompt_tokens=1000.0,
-            mean_decode_context_tokens=1100.0,
-            prefix_cache_hit_fraction=0.0,
-            queued_prefill_requests=0.0,
-            queued_prefill_tokens=0.0,
-            queued_decode_requests=0.0,
-        )
-        d = planner.decide(
-            PlannerInputs(
-                predictor=_LinearStepTime(),
-                model_ready=True,
-                model_mape=0.02,
-                load=load,
-                load_time=t,
-                replicas=ReplicaCounts(ready=total),
-                slo=SloTargets(1000, 50),
-                min_replicas=1,
-                max_replicas=40,
-                engine=EngineLimits(),
-                pod_startup_s=60,
-            ),
-            t,
-        )
+        d = _decide(planner, t, rate, total)
         total = d.desired_replicas
         decisions.append(d)
         t += 10.0
@@ -265,6 +276,17 @@ def test_status_says_when_the_next_recurring_burst_is_due() -> None:
         assert wall == pytest.approx(wall_now - (1600.0 - mono), abs=1.0)
     assert bursts_from_status({"bursts": {"recent": [{"onset": "x"}, 3, {"peakNeed": 2}]}}) == []
     assert bursts_from_status(None) == []
+
+
+def test_restored_bursts_stay_in_status_before_a_burst_is_seen() -> None:
+    planner = Planner()
+    planner.restore_burst_onsets([(100.0, 5), (700.0, 6), (1300.0, 5)])
+    d = _decide(planner, 1400.0, 20.0, 2)
+    assert d.inputs["burst_seen_s_ago"] is None
+    saved = burst_status(d, 1.7e9)
+    assert saved is not None and saved["lastSeenSecondsAgo"] is None
+    assert [b["peakNeed"] for b in saved["recent"]] == [5, 6, 5]
+    assert burst_status(_decide(Planner(), 1400.0, 20.0, 2), 1.7e9) is None
 
 
 def test_checkpoint_in_status_warm_starts_the_same_model() -> None:

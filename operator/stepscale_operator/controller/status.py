@@ -208,10 +208,14 @@ def burst_status(decision: Decision, wall_s: float) -> dict[str, Any] | None:
     period, the next one; None if none seen."""
     inputs = decision.inputs
     seen = inputs.get("burst_seen_s_ago")
-    if not isinstance(seen, int | float):
-        return None
-    out: dict[str, Any] = {"lastSeenSecondsAgo": finite(float(seen), 1)}
     onsets = inputs.get("burst_onsets")
+    # Onsets restored from a previous operator count even before this one sees a
+    # burst: dropping them from status would lose them at the next restart.
+    if not isinstance(seen, int | float) and not onsets:
+        return None
+    out: dict[str, Any] = {
+        "lastSeenSecondsAgo": finite(seen, 1) if isinstance(seen, int | float) else None
+    }
     if isinstance(onsets, list) and onsets:
         # The planner's clock is monotonic; status keeps wall-clock times.
         out["recent"] = [
