@@ -54,6 +54,7 @@ from stepscale_operator.simulator.report import (
     attainment_in_windows,
     format_table,
     plot_timeline,
+    replica_seconds,
 )
 from stepscale_operator.simulator.scenario import (
     POLICY_NAMES,
@@ -110,17 +111,27 @@ def judge(
     rows: list[RunSummary],
     accuracy: dict[str, dict[str, float]],
     per_burst: dict[str, dict[str, list[float]]] | None = None,
+    confirmed: dict[str, dict[str, float]] | None = None,
 ) -> list[Verdict]:
     """The issue's targets, per scenario: PASS, FAIL, or not judged (references too).
 
     ``per_burst``: scenario -> policy -> attainment in each burst window, then
-    after the first burst (see :func:`burst_attainment`).
+    after the first burst (see :func:`burst_attainment`); ``confirmed``: scenario ->
+    policy -> replica-seconds over :func:`confirmed_span`.
     """
     verdicts: list[Verdict] = []
     for scenario in dict.fromkeys(r.scenario for r in rows):
         runs = {r.policy: r for r in rows if r.scenario == scenario}
         bursts = (per_burst or {}).get(scenario, {})
-        verdicts.extend(_judge_scenario(scenario, runs, accuracy.get(scenario, {}), bursts))
+        verdicts.extend(
+            _judge_scenario(
+                scenario,
+                runs,
+                accuracy.get(scenario, {}),
+                bursts,
+                (confirmed or {}).get(scenario, {}),
+            )
+        )
     return verdicts
 
 
@@ -134,11 +145,23 @@ def burst_attainment(result: SimResult, duration_s: float, period_s: float) -> l
     return attainment_in_windows(result, SLO, [*windows, after_first])
 
 
+def confirmed_span(duration_s: float, period_s: float) -> tuple[float, float] | None:
+    """Whole periods from the end of the third burst: by then a policy can know
+    the bursts recur (ours confirms a period on three onsets). None if none fit."""
+    windows = burst_windows(duration_s, period_s)
+    if len(windows) < 3:
+        return None
+    start = windows[2][1]
+    periods = math.floor((duration_s - start) / period_s)
+    return (start, start + periods * period_s) if periods >= 1 else None
+
+
 def _judge_scenario(
     scenario: str,
     runs: dict[str, RunSummary],
     acc: dict[str, float],
     bursts: dict[str, list[float]],
+    confirmed: dict[str, float],
 ) -> list[Verdict]:
     ours = runs.get("ours")
     out: list[Verdict] = []
@@ -173,6 +196,15 @@ def _judge_scenario(
                 for name in ("ours", "ours@memory", "hindsight", "oracle")
                 if name in bursts
             ),
+            None,
+        )
+    if confirmed.get("ours") and confirmed.get("oracle"):
+        window = confirmed.get("oracle+window")
+        add(
+            "reference: replica-seconds over whole periods after the third burst "
+            "(a period can be known)",
+            f"ours {confirmed['ours'] / confirmed['oracle']:.2f}x oracle"
+            + (f", {confirmed['ours'] / window:.2f}x oracle+window" if window else ""),
             None,
         )
     oracle = runs.get("oracle")
@@ -403,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[RunSummary] = []
     accuracy: dict[str, dict[str, float]] = {}
     per_burst: dict[str, dict[str, list[float]]] = {}
+    confirmed: dict[str, dict[str, float]] = {}
     plotted: dict[str, list[SimResult]] = {}
     for job in jobs:
         summary, result, acc = outcomes[job]
@@ -410,9 +443,13 @@ def main(argv: list[str] | None = None) -> int:
         if acc:
             accuracy[job[0]] = acc
         if job[0] in burst_periods:
+            period = burst_periods[job[0]]
             per_burst.setdefault(job[0], {})[job[1]] = burst_attainment(
-                result, result.traffic.duration_s, burst_periods[job[0]]
+                result, result.traffic.duration_s, period
             )
+            span = confirmed_span(result.traffic.duration_s, period)
+            if span is not None:
+                confirmed.setdefault(job[0], {})[job[1]] = replica_seconds(result, *span)
         if job[1] in POLICY_NAMES:  # the sweep's extra settings would clutter the plot
             plotted.setdefault(job[0], []).append(result)
     speed = speed_check(raw_trace)
@@ -428,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{k.removeprefix('median_error_')} {v:.1%}" for k, v in acc.items() if k != "windows"
         )
         print(f"  {name}: {parts} over {acc.get('windows', 0):.0f} windows")
-    verdicts = judge(rows, accuracy, per_burst)
+    verdicts = judge(rows, accuracy, per_burst, confirmed)
     print()
     print_verdicts(verdicts)
     print(
@@ -454,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         "oracle_gpu_hours": oracle,
         "prediction_accuracy": accuracy,
         "attainment_per_burst_then_after_first": per_burst,
+        "replica_seconds_after_third_burst": confirmed,
         "criteria": [asdict(v) for v in verdicts],
         "speed": speed,
         "total_wall_s": total_s,

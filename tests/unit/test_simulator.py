@@ -41,6 +41,7 @@ from stepscale_operator.simulator.publish import SimulatedPodPublishers, pod_hos
 from stepscale_operator.simulator.report import (
     attainment_in_windows,
     plot_timeline,
+    replica_seconds,
     request_latencies,
     summarise,
 )
@@ -262,6 +263,11 @@ def test_report_attainment_counts_both_targets() -> None:
         result, SloTargets(ttft_ms=float(np.median(lat.ttft_ms)), itl_ms=10_000.0), [(0.0, 1e9)]
     )
     assert share == pytest.approx(lat_ok.mean())
+    # One replica for the whole run: replica-seconds are the span asked for.
+    first, end = float(result.timeline["t"][0]), float(result.timeline["t"][-1])
+    assert replica_seconds(result, first, end) == pytest.approx(end - first)
+    assert replica_seconds(result, 5.0, 15.0) == pytest.approx(10.0, abs=1.0)
+    assert replica_seconds(result, -10.0, -5.0) == 0.0
 
 
 def test_fpm_flow_through_the_operator_pipeline_into_the_planner() -> None:

@@ -100,6 +100,17 @@ def attainment_in_windows(
     return shares
 
 
+def replica_seconds(result: SimResult, start: float, end: float) -> float:
+    """Replica-seconds (ready + starting) a run used between ``start`` and ``end``."""
+    t = np.asarray(result.timeline["t"], dtype=np.float64)
+    total = np.asarray(result.timeline["total"], dtype=np.float64)
+    if t.size == 0:
+        return 0.0
+    step = np.diff(np.append(t, t[-1] + (t[-1] - t[-2] if t.size > 1 else 0.0)))
+    inside = (t >= start) & (t < end)
+    return float((total[inside] * step[inside]).sum())
+
+
 def summarise(result: SimResult, slo: SloTargets, scenario: str, wall_s: float) -> RunSummary:
     """Attainment, percentiles and cost of one run."""
     lat = request_latencies(result)
