@@ -701,10 +701,7 @@ class Planner:
             if now - self._last_burst <= policy.burst_memory_s:
                 memory = peak
         recurring = self._recurrence.expected(now)
-        record["burst_period_s"] = recurring.period_s if recurring is not None else None
-        record["next_burst_in_s"] = recurring.next_onset - now if recurring is not None else None
-        record["recurring_burst_need"] = recurring.peak_need if recurring is not None else None
-        record["burst_period_confirmed"] = recurring.confirmed if recurring is not None else None
+        record["recurring_burst"] = asdict(recurring) if recurring is not None else None
         record["burst_onsets"] = [[onset, peak] for onset, peak in self._recurrence.onsets()]
         if recurring is None:
             return memory, None

@@ -822,7 +822,7 @@ def test_irregular_bursts_break_the_pattern() -> None:
     assert decisions[3000.0].desired_replicas == base
     # The third burst came off that beat: no period after it, the memory as before.
     late = [d for t, d in decisions.items() if t >= 3300.0]
-    assert all(d.inputs["burst_period_s"] is None for d in late)
+    assert all(d.inputs["recurring_burst"] is None for d in late)
     assert not any("recur" in d.reason for d in late)
     assert "burst" in decisions[3800.0].reason and decisions[3800.0].desired_replicas >= peak
     assert total == base

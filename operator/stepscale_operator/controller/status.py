@@ -222,13 +222,12 @@ def burst_status(decision: Decision, wall_s: float) -> dict[str, Any] | None:
             {"onset": rfc3339(wall_s - (decision.time - float(t))), "peakNeed": int(peak)}
             for t, peak in onsets
         ]
-    period = inputs.get("burst_period_s")
-    if isinstance(period, int | float):
-        due = inputs.get("next_burst_in_s")
-        out["periodSeconds"] = finite(float(period), 1)
-        out["nextDueInSeconds"] = finite(float(due), 1) if isinstance(due, int | float) else None
-        out["peakNeed"] = inputs.get("recurring_burst_need")
-        out["confirmed"] = bool(inputs.get("burst_period_confirmed"))
+    recurring = inputs.get("recurring_burst")  # a RecurringBurst as a dict
+    if isinstance(recurring, Mapping):
+        out["periodSeconds"] = finite(recurring["period_s"], 1)
+        out["nextDueInSeconds"] = finite(recurring["next_onset"] - decision.time, 1)
+        out["peakNeed"] = recurring["peak_need"]
+        out["confirmed"] = recurring["confirmed"]
     return out
 
 
