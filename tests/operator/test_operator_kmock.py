@@ -169,7 +169,8 @@ async def test_model_fits_scales_up_and_down_then_holds_on_stale(api, cluster: F
         )
         st = status_of(api, "chat")
         assert st["lastScaling"]["action"] == "scale_up" and st["lastScaling"]["applied"] is True
-        assert events(api, "ScaledUp"), "a ScaledUp event is recorded"
+        # The event is posted after the status patch: it may land a moment later.
+        await eventually(lambda: events(api, "ScaledUp"), what="a ScaledUp event")
         # status.replicas / readyReplicas (scale subresource, printer columns) follow the
         # Deployment's status as its controller reports it.
         await eventually(
@@ -198,7 +199,7 @@ async def test_model_fits_scales_up_and_down_then_holds_on_stale(api, cluster: F
             lambda: status_of(api, "chat").get("lastScaling", {}).get("action") == "scale_down",
             what="scale-down on status",
         )
-        assert events(api, "ScaledDown")
+        await eventually(lambda: events(api, "ScaledDown"), what="a ScaledDown event")
         await eventually(
             lambda: (
                 (
