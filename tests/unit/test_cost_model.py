@@ -382,18 +382,18 @@ def test_update_cost_is_amortised() -> None:
 
         return wrapped
 
-    model._update_robust_scale = counting("scale", model._update_robust_scale)  # type: ignore[method-assign]
-    model._solve = counting("solve", model._solve)  # type: ignore[method-assign]
+    model.gate._update = counting("scale", model.gate._update)  # type: ignore[method-assign]
+    model.regression.solve = counting("solve", model.regression.solve)  # type: ignore[method-assign]
     n = 2048
     sched = compositions(rng, n)
     y = step_times(rng, sched, 0.05)
     preds = [model.update_batch(sched[i : i + 1], y[i : i + 1], [("w", 0)])[0] for i in range(n)]
-    assert calls["scale"] <= n // model.robust_every + 1
+    assert calls["scale"] <= n // model.gate.every + 1
     assert calls["solve"] <= n // 64 + 1  # the period is samples/64 (>= 78 here), up to 256
     # Still accurate prequentially, and a lazy solve brings the coefficients up to date.
     assert np.median(np.abs(np.array(preds) - y) / y) < 0.06
     model.coefficients  # noqa: B018 - solves if samples arrived since the last solve
-    assert model._since_solve == 0
+    assert model.regression.since_solve == 0
 
 
 def test_stream_state_evicts_the_least_recently_active() -> None:
