@@ -341,13 +341,14 @@ def test_implausible_pass_does_not_move_the_fit(tokens: float, wall: float, reas
     assert model.to_dict()["quality"]["implausible_rejected"] == {reason: 1}
 
 
-def test_without_plausibility_checks_one_hostile_pass_wrecks_the_fit() -> None:
-    """Why the checks exist (and why the test above can fail): 1/y^2 weighting gives a
-    very fast pass enormous leverage, and a one-sided gate never rejects it."""
+def test_without_plausibility_checks_one_hostile_pass_still_has_bounded_leverage() -> None:
+    """Rows are least squares on log(time), weighted by the model's prediction: a pass
+    7000x faster than predicted pulls like a log residual of -9, not like a 1/y^2
+    weight of 7000^2 (which halved ``compute.tokens`` when weights were 1/y^2)."""
     model = trained(np.random.default_rng(17), n=5000, fast_factor=1e12, budget_factor=1e12)
     before = model.coefficients["compute.tokens"]
     model.update_batch(_row(2e5), [0.010], [("w", 0)])
-    assert model.coefficients["compute.tokens"] < 0.5 * before
+    assert model.coefficients["compute.tokens"] == pytest.approx(before, rel=0.2)
 
 
 def test_ready_needs_prefill_and_decode_passes() -> None:

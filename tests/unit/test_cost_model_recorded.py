@@ -112,17 +112,20 @@ def test_prequential_error_has_no_long_bad_stretch(passes: list[ForwardPassMetri
     assert max(medians) < 0.15, medians
 
 
-def test_not_systematically_high_in_any_regime(passes: list[ForwardPassMetrics]) -> None:
-    """Median prediction/actual per regime, on passes not stalled (below 20 ms)."""
-    preds = _feed(CostModel(), passes)
-    wall = np.array([m.wall_time for m in passes])
-    regimes = regime_ids(sched_matrix([m.scheduled_requests for m in passes]))
-    calm = np.isfinite(preds) & (wall < 0.02)
-    calm[:500] = False  # as scored by the bench
-    for regime, (lo, hi) in {0: (0.85, 1.15), 1: (0.95, 1.05), 2: (0.85, 1.15)}.items():
-        sel = calm & (regimes == regime)
-        ratio = float(np.median(preds[sel] / wall[sel]))
-        assert lo < ratio < hi, (regime, ratio)
+def test_median_signed_error_is_small_overall_and_per_regime(
+    scored: dict[str, Any],
+) -> None:
+    """Unbiased: real passes neither above nor below the prediction at the median,
+    overall, on decode-only passes and on decode batches of 1-3 (within 3%). Under
+    1/y^2 weights these were -2% to -12% across recordings. Prefill-bearing passes are
+    held to 8%: their error is the model's shape (aggregated prompt statistics), not
+    its weighting, and moves both ways between recordings (bench_cost_model)."""
+    overall = scored["all"]["model"]["median_signed"]
+    by_regime = scored["signed_by_regime"]["model"]
+    assert abs(overall) < 0.03, overall
+    assert abs(by_regime["decode"]) < 0.03, by_regime
+    assert abs(by_regime["small_decode"]) < 0.03, by_regime
+    assert abs(by_regime["prefill"]) < 0.08, by_regime
 
 
 def test_fit_is_physical_and_ready(passes: list[ForwardPassMetrics]) -> None:

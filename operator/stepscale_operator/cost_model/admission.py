@@ -34,7 +34,8 @@ any pass's pull on the fit. A bucket with little data, or whose passes the gate
 has been rejecting most of the time for long (``misfit_half_life``: that is the
 model being wrong there, not stalls), gets a 3x wider gate, so an unlearned regime
 is not mistaken for a stall. A persistently slower engine moves the centre; while
-the centre is off by more than ``drift_k`` scales (and 5%) the model is *drifting*
+the centre is off by more than ``drift_floor`` (3%: the bias the model tolerates)
+the model is *drifting*
 and forgets at ``drift_half_life_passes`` without coverage floors, so it follows
 the change in a few thousand passes whatever the half-life.
 """
@@ -95,6 +96,7 @@ class ResidualGate:
         bucket_trust: float,
         misfit_half_life: float,
         drift_k: float,
+        drift_floor: float,
     ) -> None:
         self.window = int(window)
         self.every = max(1, int(every))
@@ -102,6 +104,7 @@ class ResidualGate:
         self.reject_k = float(reject_k)
         self.bucket_trust = float(bucket_trust)
         self.drift_k = float(drift_k)
+        self.drift_floor = float(drift_floor)
         self._misfit_decay = 2.0 ** (-1.0 / float(misfit_half_life))
         # Per bucket, the exponentially weighted fraction of its passes the gate rejected.
         self._reject_rate = np.zeros(N_BUCKETS + 1)
@@ -129,13 +132,14 @@ class ResidualGate:
     def drifting(self) -> bool:
         """The long-window median of the log residuals is the model's bias on recent
         passes. Stall runs cannot move it far (a median over ``window`` passes); an
-        engine that became slower or faster moves it for good. While it is off by more
-        than ``drift_k`` scales (and 5%), the model forgets fast (see
+        engine (or a machine) that became slower or faster moves it for good. While it
+        is off by more than ``drift_floor`` (the bias the model tolerates, 3%) and
+        ``drift_k`` scales, the model forgets fast (see
         :class:`~stepscale_operator.cost_model.regression.Regression`)."""
         return (
             self.length >= self.window // 2
             and self.active
-            and abs(self.center) > max(self.drift_k * self.scale, 0.05)
+            and abs(self.center) > max(self.drift_k * self.scale, self.drift_floor)
         )
 
     def weights(

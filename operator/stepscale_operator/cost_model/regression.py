@@ -60,6 +60,8 @@ with a ValueError and the operator starts afresh.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import numpy.typing as npt
 
@@ -350,8 +352,9 @@ class Regression:
 
         Two candidates on the pooled statistics: the roofline (alternating NNLS and
         cell sides, from the previous solve's sides) and the linear ``base +
-        compute`` fit; the one with the smaller weighted residual sum of squares is
-        kept. O(cells*d^2) per alternation plus a 9x9 NNLS.
+        compute`` fit; the roofline is kept when its smaller weighted residual sum
+        of squares is worth its extra coefficients (Akaike's criterion).
+        O(cells*d^2) per alternation plus a 9x9 NNLS.
         """
         self.since_solve = 0
         self._decay_buckets(np.arange(N_BUCKETS + 1), self.sample_clock)
@@ -408,7 +411,12 @@ class Regression:
         lin_loss = pool.loss(lin_coef, lin_gram, lin_xty)
         self._lin_coef = lin_coef
 
-        if both_sides and roof_loss < lin_loss:
+        # The roofline has the memory side's coefficients more than the linear fit: it
+        # is kept only where it earns them (Akaike: n*log(RSS) + 2*parameters), not
+        # for a sliver of noise it can fit with a memory side no pass needs.
+        extra = float(np.count_nonzero(roof_coef[MEMORY]))
+        earns = roof_loss > 0 and n_eff * math.log(max(lin_loss, 1e-300) / roof_loss) > 2 * extra
+        if both_sides and (roof_loss <= 0 < lin_loss or earns):
             coef, gram, xty, loss = roof_coef, roof_gram, roof_xty, roof_loss
         else:
             coef, gram, xty, loss = lin_coef, lin_gram, lin_xty, lin_loss
