@@ -118,6 +118,21 @@ class ResidualGate:
         self.scale = math.nan
         self.center = 0.0
 
+    def emptied(self) -> ResidualGate:
+        """A gate with the same settings and no residuals."""
+        gate = ResidualGate(
+            self.window,
+            self.every,
+            self.huber_k,
+            self.reject_k,
+            self.bucket_trust,
+            1.0,
+            self.drift_k,
+            self.drift_floor,
+        )
+        gate._misfit_decay = self._misfit_decay
+        return gate
+
     @property
     def active(self) -> bool:
         """True once there is a scale to gate by."""
@@ -244,6 +259,7 @@ class StreamRecord:
     budget: float = 0.0  # largest prefill tokens + decode requests of a learned pass
     quarantined: bool = False
     quarantines: int = 0  # times it was quarantined
+    judged: bool = False  # has had enough predicted passes to be compared with the others
 
     @property
     def mean_log_residual(self) -> float:
@@ -355,17 +371,33 @@ class StreamLedger:
                 record.sum_abs_rel = record.sum_abs_rel * keep + float(sum_abs[s])
                 record.sum_log = record.sum_log * keep + float(sum_log[s])
 
-    def judge(self) -> None:
+    @property
+    def can_judge(self) -> bool:
+        """True when there are enough streams for one to be outvoted."""
+        return len(self._records) > self.min_voters
+
+    def on_probation(self, records: list[StreamRecord]) -> npt.NDArray[np.bool_]:
+        """Per stream: not judged yet while judging is possible (a new pod among many is
+        not learned from until it has shown it agrees with the others)."""
+        if not self.can_judge:
+            return np.zeros(len(records), dtype=bool)
+        return np.array([not r.judged for r in records], dtype=bool)
+
+    def judge(self) -> list[StreamRecord]:
         """Quarantine the streams that disagree with the others; release those that agree.
 
-        O(streams log streams) per call; called once per learned chunk.
+        Returns the streams quarantined by this call. O(streams log streams) per call;
+        called once per learned chunk.
         """
         voters = [(k, r) for k, r in self._records.items() if r.n_eff >= self.min_passes]
+        for _, record in voters:
+            record.judged = True
         if len(voters) <= self.min_voters:
             for _, record in voters:
                 record.quarantined = False
-            return
+            return []
         residuals = np.array([r.mean_log_residual for _, r in voters])
+        entered = []
         for i, (_, record) in enumerate(voters):
             others = np.delete(residuals, i)
             off = abs(residuals[i] - float(np.median(others)))
@@ -374,6 +406,8 @@ class StreamLedger:
             elif off > self._enter:
                 record.quarantined = True
                 record.quarantines += 1
+                entered.append(record)
+        return entered
 
     def quarantined(self) -> dict[str, float]:
         """``worker_id/dp_rank`` of each quarantined stream -> its relative error against

@@ -146,6 +146,7 @@ class CostModel:
         self.outliers_rejected = 0
         self.warmup_skipped = 0
         self.heartbeats_ignored = 0
+        self.restarts_after_poisoning = 0
         self.updated_at: float | None = None
 
     # -- learning --------------------------------------------------------------
@@ -280,6 +281,10 @@ class CostModel:
             sched, y, used, self.ledger.budgets(records, slot)
         )
         quarantined = np.array([r.quarantined for r in records], dtype=bool)[slot]
+        if reg.coef is not None:
+            # Once there is a fit to compare with, a stream is learned from only after
+            # it has been judged (before that, everyone bootstraps the model).
+            quarantined |= self.ledger.on_probation(records)[slot]
         fast = np.zeros(y.shape[0], dtype=bool)
         if self.samples >= self.min_samples and gate.active:
             # Before min_samples, a pass much faster than a rough early fit is
@@ -325,13 +330,37 @@ class CostModel:
         if ready:
             self.window.push(y[have_pred & learn], pred[have_pred & learn])
         self.ledger.tally(rel, log_res, have_pred & ~bad_input, learn, accepted, slot, records)
-        self.ledger.judge()
+        for record in self.ledger.judge():
+            if record.samples >= self.POISONED_SHARE * max(self.samples, 1):
+                self._start_afresh()
 
         reg.since_solve += n_acc
         if reg.coef is None or reg.since_solve >= self._resolve_period():
             reg.solve()
         self.updated_at = self._clock()
         return np.where(have_pred, pred, np.nan)
+
+    # A stream that is quarantined after it contributed this share of what the model
+    # learned has poisoned it (typically: a bad pod present from the start, sending
+    # most of the passes): the model starts afresh from the streams in good standing.
+    POISONED_SHARE = 0.2
+
+    def _start_afresh(self) -> None:
+        """Drop the regression and the residual window (counters and streams stay)."""
+        old = self.regression
+        self.regression = Regression(
+            old.half_life_passes,
+            self.bucket_floor,
+            old.bucket_half_life,
+            old.drift_half_life_passes,
+            old.ridge,
+        )
+        self.gate = self.gate.emptied()
+        self.samples = 0
+        self.regime_samples = dict.fromkeys(REGIMES, 0)
+        for _, record in self.ledger.items():
+            record.samples = 0
+        self.restarts_after_poisoning += 1
 
     def _working_rows(
         self,

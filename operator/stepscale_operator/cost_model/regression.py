@@ -204,6 +204,7 @@ class Regression:
     ) -> None:
         self.half_life_passes = float(half_life_passes)
         self.drift_half_life_passes = float(drift_half_life_passes)
+        self.bucket_half_life = float(bucket_half_life)
         self.ridge = float(ridge)
         self._decay = 2.0 ** (-1.0 / self.half_life_passes)
         self._own_decay = 2.0 ** (-1.0 / float(bucket_half_life))
