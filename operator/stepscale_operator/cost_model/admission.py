@@ -34,8 +34,8 @@ any pass's pull on the fit. A bucket with little data, or whose passes the gate
 has been rejecting most of the time for long (``misfit_half_life``: that is the
 model being wrong there, not stalls), gets a 3x wider gate, so an unlearned regime
 is not mistaken for a stall. A persistently slower engine moves the centre; while
-the centre is off by more than ``drift_floor`` (3%: the bias the model tolerates)
-the model is *drifting*
+the median of the newest ``drift_window`` residuals is off by more than
+``drift_floor`` (3%: the bias the model tolerates) the model is *drifting*
 and forgets at ``drift_half_life_passes`` without coverage floors, so it follows
 the change in a few thousand passes whatever the half-life.
 """
@@ -97,6 +97,7 @@ class ResidualGate:
         misfit_half_life: float,
         drift_k: float,
         drift_floor: float,
+        drift_window: int = 500,
     ) -> None:
         self.window = int(window)
         self.every = max(1, int(every))
@@ -105,6 +106,7 @@ class ResidualGate:
         self.bucket_trust = float(bucket_trust)
         self.drift_k = float(drift_k)
         self.drift_floor = float(drift_floor)
+        self.drift_window = max(1, min(int(drift_window), self.window))
         self._misfit_decay = 2.0 ** (-1.0 / float(misfit_half_life))
         # Per bucket, the exponentially weighted fraction of its passes the gate rejected.
         self._reject_rate = np.zeros(N_BUCKETS + 1)
@@ -129,6 +131,7 @@ class ResidualGate:
             1.0,
             self.drift_k,
             self.drift_floor,
+            self.drift_window,
         )
         gate._misfit_decay = self._misfit_decay
         return gate
@@ -145,17 +148,23 @@ class ResidualGate:
         self.min_length = max(20, min(self.window // 4, count))
 
     def drifting(self) -> bool:
-        """The long-window median of the log residuals is the model's bias on recent
-        passes. Stall runs cannot move it far (a median over ``window`` passes); an
-        engine (or a machine) that became slower or faster moves it for good. While it
-        is off by more than ``drift_floor`` (the bias the model tolerates, 3%) and
-        ``drift_k`` scales, the model forgets fast (see
+        """The median of the newest ``drift_window`` (500) log residuals is the model's
+        bias on recent passes. A stall run moves it little unless it fills half that
+        window (the runs seen on a shared CPU are up to ~110 passes); an engine (or a
+        machine) that became slower or faster moves it for good. While it is off by
+        more than ``drift_floor`` (the bias the model tolerates, 3%) and ``drift_k``
+        scales, the model forgets fast (see
         :class:`~stepscale_operator.cost_model.regression.Regression`)."""
-        return (
-            self.length >= self.window // 2
-            and self.active
-            and abs(self.center) > max(self.drift_k * self.scale, self.drift_floor)
-        )
+        if self.length < self.window // 2 or not self.active:
+            return False
+        recent = self.recent_median()
+        return abs(recent) > max(self.drift_k * self.scale, self.drift_floor)
+
+    def recent_median(self) -> float:
+        """Median of the newest ``drift_window`` residuals (O(that) per call)."""
+        k = min(self.length, self.drift_window)
+        idx = (self._pos - 1 - np.arange(k)) % self.window
+        return float(np.median(self._ring[idx]))
 
     def weights(
         self,
