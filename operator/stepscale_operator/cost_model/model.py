@@ -534,16 +534,14 @@ class CostModel:
 
     def stream_residuals(self) -> dict[StreamKey, dict[str, float | int]]:
         """Per-stream residual summary: bias and MAPE (recent, exponentially weighted),
-        and whether the stream is quarantined from learning."""
+        and whether the stream is quarantined from learning. (Warm-up is the stream
+        table's: ``passes_since_restart``.)"""
         out: dict[StreamKey, dict[str, float | int]] = {}
         for key, r in self.ledger.items():
             n = r.n_eff
-            state = self.streams.get(key)
-            warming = state is not None and state.passes_since_restart <= self.warmup_passes
             out[key] = {
                 "samples": r.samples,
                 "outliers": r.outliers,
-                "warming_up": int(warming),
                 "quarantined": int(r.quarantined),
                 "mean_relative_residual": r.sum_rel / n if n else math.nan,
                 "mape": r.sum_abs_rel / n if n else math.nan,
