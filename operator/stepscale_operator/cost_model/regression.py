@@ -1,13 +1,16 @@
 """The regression: weighted normal equations per coverage bucket, forgetting, NNLS.
 
-Fitting. Weighted least squares, weights ``1/y^2`` (the observed time) so the fit
-minimises *relative* error (step-time noise is multiplicative), non-negative
-coefficients by an active-set NNLS on the normal equations. (Weights ``1/pred^2``
-were tried first: they over-weight every pass the model under-predicts, stalls
-and not-yet-learned regimes alike, which biased real CPU fits 20-30% high.)
-Sufficient statistics of the raw features (Gram matrix, ``X'y``, ``y'y``,
-counts) are kept per *coverage bucket* (regime x log-size of prefill tokens,
-decode requests and decode context); every sample updates one bucket in O(d^2).
+Fitting. Weighted least squares on rows the caller prepares (the cost model hands
+in least squares on ``log(time)`` linearised at its prediction: target
+``mu*(1 + log(y/mu))``, weight ``1/mu^2``; see
+:meth:`~stepscale_operator.cost_model.model.CostModel._working_rows`), non-negative
+coefficients by an active-set NNLS on the normal equations. (Weights ``1/y^2`` of
+the observed time, used before, fitted 3-13% low on real recordings: a slow pass
+weighed less for being slow. Weights ``1/pred^2`` on the raw time over-weighted
+the passes the model under-predicts and fitted high; in log space a pass's pull
+is bounded by its log residual.) Sufficient statistics of the raw features (Gram
+matrix, ``X'y``, ``y'y``, counts) are kept per *coverage bucket* (regime x log-size
+of prefill tokens, decode requests and decode context); every sample updates one bucket in O(d^2).
 All buckets forget with the global sample clock (half-life ``half_life_passes``)
 so the model follows a changed engine, but a bucket never decays below
 ``bucket_floor`` effective samples from time alone: a flood of decode-only
