@@ -69,6 +69,9 @@ def test_a_bad_pod_with_most_of_the_passes_cannot_take_the_model_over(
     assert quarantined["bad/0"] == pytest.approx(factor - 1.0, rel=0.25)
     assert model.to_dict()["quality"]["quarantined"] == quarantined
     assert model.stream_residuals()[BAD]["quarantined"] == 1
+    # It was there from the start with most of the passes: the model started afresh
+    # once, without it (no flapping of good pods in and out).
+    assert model.restarts_after_poisoning == 1
     # And on the custom resource's status.
     status = cost_model_status(model.to_dict())
     assert list(status["quarantinedStreams"]) == ["bad/0"]

@@ -279,11 +279,12 @@ class StreamRecord:
 class StreamLedger:
     """Per-stream budgets, residual tallies and quarantine, bounded in size.
 
-    Consistency is judged on each stream's recent mean log residual against the
-    median of those of the other streams with enough passes, one vote per stream:
-    residuals shared by every stream are the model's error, residuals of one stream
-    alone are that stream's. A stream farther than ``log(quarantine_factor)`` from
-    that median is quarantined; it is let back once within ``log(release_factor)``.
+    Consistency is judged on each stream's recent mean log residual against those
+    of the other streams with enough passes, one vote per stream: residuals shared
+    by every stream are the model's error, residuals of one stream alone are that
+    stream's. A stream that more than half of the others are farther than
+    ``log(quarantine_factor)`` from is quarantined; it is let back once at least
+    half of them are within ``log(release_factor)`` of it.
     At least ``min_voters`` other streams must have voted, so a deployment of one or
     two pods is never judged (two pods that disagree cannot tell which is wrong).
     """
@@ -402,17 +403,19 @@ class StreamLedger:
         for _, record in voters:
             record.judged = True
         if len(voters) <= self.min_voters:
-            for _, record in voters:
-                record.quarantined = False
-            return []
+            return []  # too few to outvote anyone: no one's standing changes
         residuals = np.array([r.mean_log_residual for _, r in voters])
         entered = []
         for i, (_, record) in enumerate(voters):
-            others = np.delete(residuals, i)
-            off = abs(residuals[i] - float(np.median(others)))
+            # Judged by how many of the others it agrees with, not by their median:
+            # with one bad stream among three, the median of a good one's two others
+            # is halfway to the bad one.
+            diff = np.abs(np.delete(residuals, i) - residuals[i])
+            n_others = diff.shape[0]
             if record.quarantined:
-                record.quarantined = off > self._leave
-            elif off > self._enter:
+                # Back once at least half of the others agree with it closely.
+                record.quarantined = 2 * np.count_nonzero(diff <= self._leave) < n_others
+            elif 2 * np.count_nonzero(diff <= self._enter) < n_others:
                 record.quarantined = True
                 record.quarantines += 1
                 entered.append(record)

@@ -332,7 +332,8 @@ class CostModel:
         self.ledger.tally(rel, log_res, have_pred & ~bad_input, learn, accepted, slot, records)
         for record in self.ledger.judge():
             if record.samples >= self.POISONED_SHARE * max(self.samples, 1):
-                self._start_afresh()
+                self._start_afresh(record)
+                break
 
         reg.since_solve += n_acc
         if reg.coef is None or reg.since_solve >= self._resolve_period():
@@ -345,8 +346,9 @@ class CostModel:
     # most of the passes): the model starts afresh from the streams in good standing.
     POISONED_SHARE = 0.2
 
-    def _start_afresh(self) -> None:
-        """Drop the regression and the residual window (counters and streams stay)."""
+    def _start_afresh(self, culprit: StreamRecord) -> None:
+        """Drop the regression and the residual window; ``culprit`` stays quarantined,
+        every other stream is in good standing (counters and streams stay)."""
         old = self.regression
         self.regression = Regression(
             old.half_life_passes,
@@ -359,7 +361,11 @@ class CostModel:
         self.samples = 0
         self.regime_samples = dict.fromkeys(REGIMES, 0)
         for _, record in self.ledger.items():
+            # Residuals about the dropped fit say nothing about the new one: the culprit
+            # stays out until residuals about the new fit show it agrees.
             record.samples = 0
+            record.n_eff = record.sum_rel = record.sum_abs_rel = record.sum_log = 0.0
+            record.quarantined = record is culprit
         self.restarts_after_poisoning += 1
 
     def _working_rows(
