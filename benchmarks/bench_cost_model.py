@@ -11,13 +11,28 @@ synthetic stream (``--synthetic``), each pass is predicted before it is learned 
   others ``[1, decode_requests, decode_kv_tokens]``; each keeps at most
   ``per_bucket`` recent samples in each log2 bucket of its main variable and is
   refitted by least squares every ``refit_every`` samples;
+* ``ew_ols``: a plain exponentially weighted ordinary least squares (half-life
+  ``EW_OLS_HALF_LIFE`` passes, unweighted otherwise) on five wire features
+  ``[1, prefill_tokens, prefill_kv_tokens, decode_requests, decode_kv_tokens]``,
+  refitted before every pass: what any careful engineer would try first;
+* ``offline_nnls`` (informational): scikit-learn's non-negative ``LinearRegression``
+  on CostModel's seven raw features, fitted once on *all* passes (hindsight, not
+  prequential): how far a linear fit could get knowing the whole recording;
 * ``noise_floor``: for passes whose composition (counts exact; prefill tokens,
   prefill KV tokens, prompt-length variance and decode KV tokens within 5%) occurs
   at least three times, the median wall time of the *other* passes of that cell.
   It is the spread of identical work on this machine. Its cells are local in time
   too (a decode batch keeps its composition for a few dozen passes), so it also
-  knows whether the machine was stalled at that moment; ``noise_floor_nonlocal``
-  (informational) leaves out the passes within ``NONLOCAL_EXCLUDE`` positions.
+  knows whether the machine was stalled at that moment. ``noise_floor_nonlocal``
+  leaves out the passes within ``NONLOCAL_EXCLUDE`` positions of the one predicted:
+  the spread of identical work done at *other* moments, which is what a model of
+  the batch composition alone can hope to reach. The target is
+  model MAPE / non-local floor MAPE <= 1.25, over the same passes.
+
+Bias: the median signed error ``median((predicted - actual) / actual)`` of each
+method, over all scored passes and per regime: ``prefill`` (prefill-bearing),
+``decode`` (decode-only) and ``small_decode`` (decode-only, 1-3 requests); target
+within +-3%.
 
 Reported per recording, with the recorder's machine load when its
 ``<config>.meta.json`` is there: ``all``: model and baseline over every scored
@@ -49,7 +64,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics
-from stepscale_operator.cost_model import CostModel, sched_matrix
+from stepscale_operator.cost_model import CostModel, feature_matrix, sched_matrix
 
 FloatArray = npt.NDArray[np.float64]
 WARMUP_SKIP = 500  # passes before any method is scored (at most a fifth of a recording)
@@ -60,6 +75,8 @@ DEFAULT_RECORDINGS = ("results/recordings/*.jsonl", "results/recordings/*.jsonl.
 FALLBACK_RECORDINGS = ("tests/data/*.jsonl.gz",)
 MIN_PASSES = 100
 NONLOCAL_EXCLUDE = 200  # passes either side left out of the non-local noise floor
+EW_OLS_HALF_LIFE = 1000.0  # passes
+REGIME_NAMES = ("prefill", "decode", "small_decode")
 
 
 # -- inputs --------------------------------------------------------------------
@@ -203,6 +220,55 @@ def baseline_predictions(msgs: list[ForwardPassMetrics]) -> FloatArray:
     return preds
 
 
+def wire_features(msgs: list[ForwardPassMetrics]) -> FloatArray:
+    """``[1, prefill_tokens, prefill_kv_tokens, decode_requests, decode_kv_tokens]`` rows."""
+    return np.array(
+        [
+            (
+                1.0,
+                m.scheduled_requests.sum_prefill_tokens,
+                m.scheduled_requests.sum_prefill_kv_tokens,
+                m.scheduled_requests.num_decode_requests,
+                m.scheduled_requests.sum_decode_kv_tokens,
+            )
+            for m in msgs
+        ],
+        dtype=np.float64,
+    ).reshape(-1, 5)
+
+
+def ew_ols_predictions(
+    msgs: list[ForwardPassMetrics], half_life: float = EW_OLS_HALF_LIFE
+) -> FloatArray:
+    """Exponentially weighted OLS on :func:`wire_features`, refitted before every pass."""
+    x = wire_features(msgs)
+    # Columns scaled to about 1 so the 5x5 solve is well conditioned.
+    x = x / np.maximum(np.abs(x).max(axis=0), 1.0)
+    y = np.array([m.wall_time for m in msgs])
+    decay = 2.0 ** (-1.0 / half_life)
+    gram = np.zeros((5, 5))
+    xty = np.zeros(5)
+    ridge = 1e-9 * np.eye(5)
+    preds = np.full(len(msgs), np.nan)
+    for i in range(len(msgs)):
+        if i >= 5:
+            coef = np.linalg.solve(gram + ridge * max(np.trace(gram), 1e-12), xty)
+            preds[i] = max(float(x[i] @ coef), MIN_PREDICTION_S)
+        gram = gram * decay + np.outer(x[i], x[i])
+        xty = xty * decay + x[i] * y[i]
+    return preds
+
+
+def offline_nnls_predictions(msgs: list[ForwardPassMetrics]) -> FloatArray:
+    """Hindsight: non-negative least squares on CostModel's raw features, all passes."""
+    from sklearn.linear_model import LinearRegression
+
+    x = feature_matrix(sched_matrix([m.scheduled_requests for m in msgs]))[:, 1:]
+    y = np.array([m.wall_time for m in msgs])
+    fit = LinearRegression(positive=True).fit(x, y)
+    return np.maximum(np.asarray(fit.predict(x), dtype=np.float64), MIN_PREDICTION_S)
+
+
 def noise_floor_predictions(msgs: list[ForwardPassMetrics], exclude_within: int = 0) -> FloatArray:
     """Leave-one-out median of passes with near-identical composition (>= 3 of them).
 
@@ -249,65 +315,92 @@ def noise_floor_predictions(msgs: list[ForwardPassMetrics], exclude_within: int 
 
 
 def ape_stats(y: FloatArray, p: FloatArray) -> dict[str, float]:
-    """MAPE, median and p90 APE (fractions) and the count."""
-    ape = np.abs(y - p) / y
+    """MAPE, median and p90 APE, median signed error (fractions) and the count."""
+    signed = (p - y) / y
+    ape = np.abs(signed)
     return {
         "mape": float(ape.mean()),
         "median_ape": float(np.median(ape)),
         "p90_ape": float(np.percentile(ape, 90)),
+        "median_signed": float(np.median(signed)),
         "n": int(ape.shape[0]),
     }
+
+
+def regime_masks(msgs: list[ForwardPassMetrics]) -> dict[str, npt.NDArray[np.bool_]]:
+    """Prefill-bearing, decode-only, and decode-only with 1-3 requests."""
+    prefill = np.array([m.scheduled_requests.sum_prefill_tokens > 0 for m in msgs])
+    decodes = np.array([m.scheduled_requests.num_decode_requests for m in msgs])
+    decode = ~prefill & (decodes > 0)
+    return {"prefill": prefill, "decode": decode, "small_decode": decode & (decodes <= 3)}
+
+
+def signed_by_regime(
+    y: FloatArray, p: FloatArray, sel: npt.NDArray[np.bool_], regimes: dict[str, Any]
+) -> dict[str, float | None]:
+    """Median signed error over ``sel`` in each regime (None with fewer than 20 passes)."""
+    out: dict[str, float | None] = {}
+    for name, mask in regimes.items():
+        m = sel & mask
+        out[name] = float(np.median((p[m] - y[m]) / y[m])) if m.sum() >= 20 else None
+    return out
 
 
 def score(
     msgs: list[ForwardPassMetrics], model_kwargs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Prequential figures of model, baseline and noise floor over the same passes.
+    """Prequential figures of every method over the same passes.
 
-    ``all``: every scored pass that model and baseline both predict (the first
+    ``all``: every scored pass that model and baselines all predict (the first
     ``WARMUP_SKIP`` passes, at most a fifth, are not scored). ``floor_passes``:
-    those of them that also have a noise-floor cell; the model/floor ratios are
-    computed there, so all three methods are judged on exactly the same passes.
+    those of them that also have a noise-floor cell; ``floor_passes_nonlocal``:
+    those with a non-local one. The ratios to a floor are taken over exactly the
+    passes that floor predicts.
     """
     passes = [m for m in msgs if m.wall_time > 0]
     y = np.array([m.wall_time for m in passes])
-    model = model_predictions(passes, model_kwargs=model_kwargs)
-    base = baseline_predictions(passes)
+    methods = {
+        "model": model_predictions(passes, model_kwargs=model_kwargs),
+        "ew_ols": ew_ols_predictions(passes),
+        "baseline": baseline_predictions(passes),
+        "offline_nnls": offline_nnls_predictions(passes),
+    }
     floor = noise_floor_predictions(passes)
     floor_far = noise_floor_predictions(passes, exclude_within=NONLOCAL_EXCLUDE)
     scored = np.zeros(len(passes), dtype=bool)
     scored[min(WARMUP_SKIP, len(passes) // 5) :] = True
-    common = scored & np.isfinite(model) & np.isfinite(base)
-    on_floor = common & np.isfinite(floor)
+    common = scored.copy()
+    for pred in methods.values():
+        common &= np.isfinite(pred)
+    regimes = regime_masks(passes)
     result: dict[str, Any] = {
         "passes": len(passes),
         "heartbeats": len(msgs) - len(passes),
-        "all": {
-            "model": ape_stats(y[common], model[common]),
-            "baseline": ape_stats(y[common], base[common]),
+        "all": {name: ape_stats(y[common], p[common]) for name, p in methods.items()},
+        "signed_by_regime": {
+            name: signed_by_regime(y, p, common, regimes) for name, p in methods.items()
         },
+        "regime_passes": {name: int((common & mask).sum()) for name, mask in regimes.items()},
     }
-    result["model_mape_over_baseline"] = (
-        result["all"]["model"]["mape"] / result["all"]["baseline"]["mape"]
-    )
-    if on_floor.sum() >= 20:
-        on = {
-            "model": ape_stats(y[on_floor], model[on_floor]),
-            "baseline": ape_stats(y[on_floor], base[on_floor]),
-            "noise_floor": ape_stats(y[on_floor], floor[on_floor]),
-        }
-        far = on_floor & np.isfinite(floor_far)
-        if far.sum() >= 20:
-            # Informational: the floor from passes at other moments (see noise_floor_predictions),
-            # with the model on exactly those passes.
-            result["floor_passes_nonlocal"] = {
-                "model": ape_stats(y[far], model[far]),
-                "noise_floor_nonlocal": ape_stats(y[far], floor_far[far]),
-            }
-        result["floor_passes"] = on
-        result["model_mape_over_noise_floor"] = on["model"]["mape"] / on["noise_floor"]["mape"]
-        result["model_median_ape_over_noise_floor"] = (
-            on["model"]["median_ape"] / on["noise_floor"]["median_ape"]
+    model_mape = result["all"]["model"]["mape"]
+    result["model_mape_over_baseline"] = model_mape / result["all"]["baseline"]["mape"]
+    result["model_mape_over_ew_ols"] = model_mape / result["all"]["ew_ols"]["mape"]
+    for key, fl, name in (
+        ("floor_passes", floor, "noise_floor"),
+        ("floor_passes_nonlocal", floor_far, "noise_floor_nonlocal"),
+    ):
+        on = common & np.isfinite(fl)
+        if on.sum() < 20:
+            continue
+        stats = {m: ape_stats(y[on], methods[m][on]) for m in ("model", "ew_ols", "baseline")}
+        stats[name] = ape_stats(y[on], fl[on])
+        result[key] = stats
+        suffix = "" if name == "noise_floor" else "_nonlocal"
+        result[f"model_mape_over_noise_floor{suffix}"] = (
+            stats["model"]["mape"] / stats[name]["mape"]
+        )
+        result[f"model_median_ape_over_noise_floor{suffix}"] = (
+            stats["model"]["median_ape"] / stats[name]["median_ape"]
         )
     return result
 
@@ -346,11 +439,32 @@ def load_meta(path: Path) -> dict[str, Any]:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    """One block per recording: all scored passes, then the noise-floor passes."""
-    cols = ("MAPE", "medAPE", "p90APE")
-    header = f"{'recording / passes':<36}{'method':<16}" + "".join(f"{c:>8}" for c in cols)
-    header += f"{'n':>7}"
-    print(header)
+    """A summary line per recording, then one block per recording with every method."""
+    print(
+        f"{'recording':<22}{'passes':>7}{'model':>8}{'medAPE':>8}{'signed':>8}"
+        f"{'prefill':>8}{'decode':>8}{'dec1-3':>8}{'/floorNL':>9}{'EW-OLS':>8}{'Dynamo':>8}"
+        f"{'ours/EW':>8}"
+    )
+
+    def pct(v: float | None) -> str:
+        return f"{v:>+8.1%}" if isinstance(v, float) else f"{'-':>8}"
+
+    for r in results:
+        m = r["all"]["model"]
+        sr = r["signed_by_regime"]["model"]
+        nl = r.get("model_mape_over_noise_floor_nonlocal")
+        nl_txt = f"{nl:>9.2f}" if isinstance(nl, float) else f"{'-':>9}"
+        print(
+            f"{Path(str(r['recording'])).name.split('.')[0][:21]:<22}{m['n']:>7}"
+            f"{m['mape']:>8.1%}{m['median_ape']:>8.1%}{pct(m['median_signed'])}"
+            f"{pct(sr['prefill'])}{pct(sr['decode'])}{pct(sr['small_decode'])}{nl_txt}"
+            f"{r['all']['ew_ols']['mape']:>8.1%}{r['all']['baseline']['mape']:>8.1%}"
+            f"{r['model_mape_over_ew_ols']:>8.2f}"
+        )
+    print()
+    cols = ("MAPE", "medAPE", "p90APE", "signed")
+    header = f"{'recording / passes':<36}{'method':<22}" + "".join(f"{c:>8}" for c in cols)
+    print(header + f"{'n':>7}")
     for r in results:
         meta = r.get("meta") or {}
         load = meta.get("loadavg_start"), meta.get("loadavg_end")
@@ -359,17 +473,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
         for subset in ("all", "floor_passes", "floor_passes_nonlocal"):
             for method, stats in (r.get(subset) or {}).items():
                 print(
-                    f"  {subset:<34}{method[:15]:<16}{stats['mape']:>8.1%}"
-                    f"{stats['median_ape']:>8.1%}{stats['p90_ape']:>8.1%}{stats['n']:>7}"
+                    f"  {subset:<34}{method[:21]:<22}{stats['mape']:>8.1%}"
+                    f"{stats['median_ape']:>8.1%}{stats['p90_ape']:>8.1%}"
+                    f"{stats['median_signed']:>+8.1%}{stats['n']:>7}"
                 )
-        ratio = r.get("model_mape_over_noise_floor")
-        ratio_med = r.get("model_median_ape_over_noise_floor")
-        floor_txt = (
-            f"model/noise floor MAPE {ratio:.2f}, medAPE {ratio_med:.2f}"
-            if isinstance(ratio, float) and isinstance(ratio_med, float)
-            else "(no noise floor)"
-        )
-        print(f"  {floor_txt}; model/baseline MAPE {r['model_mape_over_baseline']:.2f}")
+        for method, by in r["signed_by_regime"].items():
+            txt = "  ".join(f"{k} {pct(v).strip()}" for k, v in by.items())
+            print(f"  median signed error by regime, {method:<13}{txt}")
         print(f"  {r['final_formula']}")
 
 

@@ -14,8 +14,14 @@ Load phases (arrivals are Poisson, prompts and outputs drawn per phase):
 * ``decode_heavy``: many concurrent requests with long outputs (large decode batches);
 * ``mixed``: everything at once.
 
+* ``decode_small``: rare arrivals with long outputs (decode batches of 1-3);
+* ``prefix_hot``: long prompts sharing long prefixes (mostly cache hits);
+* ``preempt``: more long requests than the KV cache holds (preemption, recompute).
+
 Configurations: ``roomy`` (plenty of KV, budget 512) and ``tight`` (few KV
-blocks, budget 128: chunked prefill everywhere and preemption).
+blocks, budget 128: chunked prefill everywhere and preemption), the defaults;
+``decode_small``, ``prefix`` (prefix caching on), ``preempt`` (36 KV blocks) and
+``bigger`` (a 4x wider, 2x deeper random Llama), each with its own phases.
 
     .venv/bin/python benchmarks/record_fpm.py [--configs roomy tight] [--phase-s 15] [--nice -10]
 
@@ -41,24 +47,63 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "results" / "recordings"
 
+# name: (arrivals per second, prompt length range, output length range, shared prefix)
+PHASES: dict[str, tuple[float, tuple[int, int], tuple[int, int], bool]] = {
+    "short": (12.0, (16, 96), (8, 48), False),
+    "long": (2.0, (400, 900), (16, 64), False),
+    "prefix": (6.0, (200, 600), (8, 48), True),
+    "decode_heavy": (20.0, (16, 64), (100, 300), False),
+    "mixed": (8.0, (16, 800), (8, 200), False),
+    # Rare arrivals, long outputs: decode batches of 1-3 requests most of the time.
+    "decode_small": (0.6, (16, 64), (150, 400), False),
+    # Many long prompts sharing long prefixes: most prompt tokens are cache hits.
+    "prefix_hot": (5.0, (300, 900), (8, 48), True),
+    # More concurrent long requests than the KV cache holds: preemption and recompute.
+    "preempt": (10.0, (100, 400), (150, 400), False),
+}
+ALL_PHASES = ("short", "long", "prefix", "decode_heavy", "mixed")
+
+_ROOMY = dict(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048)
+# name: engine arguments, load phases in order, and changes to the tiny model's config.
 CONFIGS: dict[str, dict[str, Any]] = {
-    "roomy": dict(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048),
+    "roomy": dict(engine=_ROOMY, phases=ALL_PHASES),
     "tight": dict(
-        max_num_batched_tokens=128,
-        max_num_seqs=32,
-        max_model_len=1024,
-        num_gpu_blocks_override=40,
+        engine=dict(
+            max_num_batched_tokens=128,
+            max_num_seqs=32,
+            max_model_len=1024,
+            num_gpu_blocks_override=40,
+        ),
+        phases=ALL_PHASES,
+    ),
+    "decode_small": dict(engine=_ROOMY, phases=("decode_small", "short", "decode_small")),
+    "prefix": dict(
+        engine=dict(_ROOMY, enable_prefix_caching=True),
+        phases=("prefix_hot", "prefix", "mixed"),
+    ),
+    "preempt": dict(
+        engine=dict(
+            max_num_batched_tokens=256,
+            max_num_seqs=48,
+            max_model_len=1024,
+            num_gpu_blocks_override=36,
+        ),
+        phases=("preempt", "decode_heavy", "preempt"),
+    ),
+    # 4x wider, 2x deeper (head_dim 64): about 30x the tiny model's arithmetic per token;
+    # lighter phases, so that the queue drains within a few minutes.
+    "bigger": dict(
+        engine=_ROOMY,
+        phases=("short", "long", "short"),
+        model=dict(
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+        ),
     ),
 }
-
-# name: (arrivals per second, prompt length range, output length range, shared prefix)
-PHASES: list[tuple[str, float, tuple[int, int], tuple[int, int], bool]] = [
-    ("short", 12.0, (16, 96), (8, 48), False),
-    ("long", 2.0, (400, 900), (16, 64), False),
-    ("prefix", 6.0, (200, 600), (8, 48), True),
-    ("decode_heavy", 20.0, (16, 64), (100, 300), False),
-    ("mixed", 8.0, (16, 800), (8, 200), False),
-]
 
 
 def drive_engine(config_name: str, phase_s: float, seed: int, nice: int = 0) -> None:
@@ -79,7 +124,10 @@ def drive_engine(config_name: str, phase_s: float, seed: int, nice: int = 0) -> 
 
     from stepscale_engine.tiny_model import build_tiny_llama
 
-    model = build_tiny_llama(Path(tempfile.gettempdir()) / "stepscale-tiny-llama")
+    config = CONFIGS[config_name]
+    overrides = config.get("model")
+    model_dir = "stepscale-tiny-llama" + (f"-{config_name}" if overrides else "")
+    model = build_tiny_llama(Path(tempfile.gettempdir()) / model_dir, overrides=overrides)
     llm = LLM(
         model=str(model),
         skip_tokenizer_init=True,
@@ -87,16 +135,17 @@ def drive_engine(config_name: str, phase_s: float, seed: int, nice: int = 0) -> 
         dtype="float32",
         block_size=32,
         seed=seed,
-        **CONFIGS[config_name],
+        **config["engine"],
     )
     engine = llm.llm_engine
-    max_len = CONFIGS[config_name]["max_model_len"]
+    max_len = config["engine"]["max_model_len"]
     print("READY", flush=True)
     sys.stdin.readline()
     rng = random.Random(seed)
     shared_prefix = [1 + (t * 11) % 900 for t in range(max_len)]
     request_id = 0
-    for name, rate, (p_lo, p_hi), (o_lo, o_hi), shared in PHASES:
+    for name in config["phases"]:
+        rate, (p_lo, p_hi), (o_lo, o_hi), shared = PHASES[name]
         print(f"phase {name}", flush=True)
         end = time.monotonic() + phase_s
         next_arrival = time.monotonic()
@@ -217,7 +266,9 @@ def record(config_name: str, out_dir: Path, phase_s: float, seed: int, nice: int
     load_end = os.getloadavg()
     meta: dict[str, Any] = {
         "config": config_name,
-        "engine_args": CONFIGS[config_name],
+        "engine_args": CONFIGS[config_name]["engine"],
+        "phases": list(CONFIGS[config_name]["phases"]),
+        "model": CONFIGS[config_name].get("model", {}),
         "phase_s": phase_s,
         "seed": seed,
         "nice": nice,
@@ -241,7 +292,7 @@ def record(config_name: str, out_dir: Path, phase_s: float, seed: int, nice: int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=sorted(CONFIGS), choices=sorted(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=["roomy", "tight"], choices=sorted(CONFIGS))
     parser.add_argument("--phase-s", type=float, default=15.0, help="seconds per load phase")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

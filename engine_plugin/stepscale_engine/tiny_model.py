@@ -23,19 +23,26 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
 }
 
 
-def build_tiny_llama(directory: str | Path, seed: int = 0) -> Path:
-    """Write a random-weight Llama (safetensors + config) into ``directory``; idempotent."""
+def build_tiny_llama(
+    directory: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Path:
+    """Write a random-weight Llama (safetensors + config) into ``directory``; idempotent.
+
+    ``overrides`` change :data:`TINY_LLAMA_CONFIG` (e.g. a bigger model for the
+    recorder); the directory is rebuilt when its config differs.
+    """
     path = Path(directory)
     marker = path / "stepscale_tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == TINY_LLAMA_CONFIG:
+    wanted = {**TINY_LLAMA_CONFIG, **(overrides or {})}
+    if marker.exists() and json.loads(marker.read_text()) == wanted:
         return path
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**TINY_LLAMA_CONFIG)
+    config = LlamaConfig(**wanted)
     model = LlamaForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    marker.write_text(json.dumps(TINY_LLAMA_CONFIG))
+    marker.write_text(json.dumps(wanted))
     return path

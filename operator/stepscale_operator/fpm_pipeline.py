@@ -197,20 +197,25 @@ class DeploymentModel:
             matrices = PassMatrices.from_messages(msgs)
         with self._lock:
             restarted: tuple[StreamKey, ...] = ()
+            pass_index = None  # the cost model counts warm-up itself unless we tell it
             if self.observe_streams:
                 seen = self.streams.observe_columns(
                     matrices.groups, matrices.counters, matrices.wall, now
                 )
                 restarted = seen.restarted
+                pass_index = seen.pass_index
                 if not seen.all_accepted:
                     # Duplicates were counted by the table; learning them twice would
                     # double-count their passes in the model and the load.
                     matrices = matrices.select(seen.mask)
+                    pass_index = pass_index[seen.mask]
             wall = matrices.wall
             # Heartbeats go in too: they are not samples, but their sequence numbers
             # show the model when a stream restarted.
             groups = matrices.groups
-            self.cost_model.update_batch(matrices.sched, wall, groups, matrices.counters)
+            self.cost_model.update_batch(
+                matrices.sched, wall, groups, matrices.counters, pass_index=pass_index
+            )
             self.load.observe_matrices(groups, wall, matrices.sched, matrices.queued, now)
         passes = int(np.count_nonzero(wall > 0.0))
         return IngestResult(len(matrices), passes, len(matrices) - passes, restarted)

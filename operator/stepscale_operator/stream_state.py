@@ -123,6 +123,9 @@ class ObserveResult:
     new: tuple[StreamKey, ...]  # streams seen for the first time
     # Per input message, in input order: False for a duplicate (already counted).
     mask: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    # Per input message: forward passes of its stream since its last (re)start, this one
+    # included (what warm-up is judged by); meaningful for passes only.
+    pass_index: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def all_accepted(self) -> bool:
@@ -218,7 +221,7 @@ class StreamTable:
         """
         n = len(keys)
         if n == 0:
-            return ObserveResult((), (), np.zeros(0, dtype=bool))
+            return ObserveResult((), (), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64))
         groups = StreamGroups.of(keys)
         slot = groups.index
         states: list[StreamState] = []
@@ -235,6 +238,7 @@ class StreamTable:
         last = np.array(
             [-1 if s.last_sequence is None else s.last_sequence for s in states], np.int64
         )
+        since_restart = np.array([s.passes_since_restart for s in states], np.int64)
         order = np.argsort(slot, kind="stable")
         sl, seq, w = slot[order], counters[order], wall[order]
         starts = np.flatnonzero(np.r_[True, sl[1:] != sl[:-1]])
@@ -260,6 +264,14 @@ class StreamTable:
             passes_cum[starts] - is_pass[starts],
         )
         passes_after = passes_cum[ends] - before
+        # Per row: passes since its segment began (a stream's first row or a restart),
+        # carrying on from the table's count where the segment is not a restart.
+        seg_start = first | restart
+        seg_idx = np.flatnonzero(seg_start)
+        carried = np.where(restart[seg_idx], 0, since_restart[sl[seg_idx]])
+        offset = passes_cum[seg_idx] - is_pass[seg_idx] - carried
+        pass_index = np.empty(n, dtype=np.int64)
+        pass_index[order] = passes_cum - offset[np.cumsum(seg_start) - 1]
         sums = np.add.reduceat(
             np.stack([counted, is_pass, heartbeat, lost, restart, dup], axis=1).astype(np.int64),
             starts,
@@ -289,7 +301,7 @@ class StreamTable:
                 state.last_pass_time = now
         mask = np.empty(n, dtype=bool)
         mask[order] = counted
-        return ObserveResult(tuple(restarted), tuple(new), mask)
+        return ObserveResult(tuple(restarted), tuple(new), mask, pass_index)
 
     def record_rejected(self, reason: FrameError, key: StreamKey | None = None) -> None:
         """Count one rejected frame, against its stream when the identity is known."""

@@ -341,13 +341,14 @@ def test_implausible_pass_does_not_move_the_fit(tokens: float, wall: float, reas
     assert model.to_dict()["quality"]["implausible_rejected"] == {reason: 1}
 
 
-def test_without_plausibility_checks_one_hostile_pass_wrecks_the_fit() -> None:
-    """Why the checks exist (and why the test above can fail): 1/y^2 weighting gives a
-    very fast pass enormous leverage, and a one-sided gate never rejects it."""
+def test_without_plausibility_checks_one_hostile_pass_still_has_bounded_leverage() -> None:
+    """Rows are least squares on log(time), weighted by the model's prediction: a pass
+    7000x faster than predicted pulls like a log residual of -9, not like a 1/y^2
+    weight of 7000^2 (which halved ``compute.tokens`` when weights were 1/y^2)."""
     model = trained(np.random.default_rng(17), n=5000, fast_factor=1e12, budget_factor=1e12)
     before = model.coefficients["compute.tokens"]
     model.update_batch(_row(2e5), [0.010], [("w", 0)])
-    assert model.coefficients["compute.tokens"] < 0.5 * before
+    assert model.coefficients["compute.tokens"] == pytest.approx(before, rel=0.2)
 
 
 def test_ready_needs_prefill_and_decode_passes() -> None:
@@ -382,18 +383,18 @@ def test_update_cost_is_amortised() -> None:
 
         return wrapped
 
-    model._update_robust_scale = counting("scale", model._update_robust_scale)  # type: ignore[method-assign]
-    model._solve = counting("solve", model._solve)  # type: ignore[method-assign]
+    model.gate._update = counting("scale", model.gate._update)  # type: ignore[method-assign]
+    model.regression.solve = counting("solve", model.regression.solve)  # type: ignore[method-assign]
     n = 2048
     sched = compositions(rng, n)
     y = step_times(rng, sched, 0.05)
     preds = [model.update_batch(sched[i : i + 1], y[i : i + 1], [("w", 0)])[0] for i in range(n)]
-    assert calls["scale"] <= n // model.robust_every + 1
+    assert calls["scale"] <= n // model.gate.every + 1
     assert calls["solve"] <= n // 64 + 1  # the period is samples/64 (>= 78 here), up to 256
     # Still accurate prequentially, and a lazy solve brings the coefficients up to date.
     assert np.median(np.abs(np.array(preds) - y) / y) < 0.06
     model.coefficients  # noqa: B018 - solves if samples arrived since the last solve
-    assert model._since_solve == 0
+    assert model.regression.since_solve == 0
 
 
 def test_stream_state_evicts_the_least_recently_active() -> None:

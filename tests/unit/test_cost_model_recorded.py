@@ -11,9 +11,12 @@ model predict ~2x for thousands of passes.
 
 The figures are deterministic (fixed data, fixed feeding order), so the bounds
 are accuracy assertions, not timing thresholds. Measured when written (baseline
-predictions <= 0 scored, clamped to 1 us): model MAPE 17.9% / median APE 8.3%
-over all scored passes; on the noise-floor passes model 16.8% / 8.0%, noise floor
-22.5% / 7.5%, baseline 93.6% / 29.6%.
+predictions <= 0 scored, clamped to 1 us): model MAPE 18.5% / median APE 8.7%,
+median signed error -0.5%, over all scored passes; on the noise-floor passes model
+17.0% / 8.3%, noise floor 22.5% / 7.5%, baseline 93.6% / 29.6%; plain EW-OLS
+162% (stalls pull an unweighted least squares). The other kept recordings
+(``fpm_recording_*.jsonl.gz``, see ``benchmarks/record_fpm.py``) are checked against
+EW-OLS and the non-local noise floor below.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from stepscale_operator.cost_model import CostModel, regime_ids, sched_matrix
 
 REPO = Path(__file__).resolve().parents[2]
 RECORDING = REPO / "tests" / "data" / "fpm_recording_tight.jsonl.gz"
+# Every recording kept in the repository (benchmarks/record_fpm.py configurations).
+RECORDINGS = sorted((REPO / "tests" / "data").glob("fpm_recording_*.jsonl.gz"))
 
 # Stated bounds (the issue's target is 1.25x the noise floor's MAPE).
 MAX_MAPE_OVER_FLOOR = 1.25
@@ -94,6 +99,19 @@ def test_model_beats_the_baseline(scored: dict[str, Any]) -> None:
     assert model["median_ape"] < base["median_ape"]
 
 
+@pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.name.split(".")[0])
+def test_every_recording_at_least_as_accurate_as_ew_ols_and_near_the_nonlocal_floor(
+    path: Path,
+) -> None:
+    """On every kept recording, prequentially, over the same passes: MAPE no worse than
+    a plain exponentially weighted OLS (1,000-pass half-life), and within 1.25x of the
+    non-local noise floor (identical work done at other moments)."""
+    result = _bench().score(_bench().load_recording(path))
+    assert result["all"]["model"]["n"] > 1000
+    assert result["model_mape_over_ew_ols"] <= 1.0
+    assert result["model_mape_over_noise_floor_nonlocal"] <= MAX_MAPE_OVER_FLOOR
+
+
 def test_model_is_within_stated_factor_of_the_noise_floor(scored: dict[str, Any]) -> None:
     on = scored["floor_passes"]
     assert on["noise_floor"]["n"] == on["model"]["n"] > 4000  # the same passes
@@ -112,17 +130,20 @@ def test_prequential_error_has_no_long_bad_stretch(passes: list[ForwardPassMetri
     assert max(medians) < 0.15, medians
 
 
-def test_not_systematically_high_in_any_regime(passes: list[ForwardPassMetrics]) -> None:
-    """Median prediction/actual per regime, on passes not stalled (below 20 ms)."""
-    preds = _feed(CostModel(), passes)
-    wall = np.array([m.wall_time for m in passes])
-    regimes = regime_ids(sched_matrix([m.scheduled_requests for m in passes]))
-    calm = np.isfinite(preds) & (wall < 0.02)
-    calm[:500] = False  # as scored by the bench
-    for regime, (lo, hi) in {0: (0.85, 1.15), 1: (0.95, 1.05), 2: (0.85, 1.15)}.items():
-        sel = calm & (regimes == regime)
-        ratio = float(np.median(preds[sel] / wall[sel]))
-        assert lo < ratio < hi, (regime, ratio)
+def test_median_signed_error_is_small_overall_and_per_regime(
+    scored: dict[str, Any],
+) -> None:
+    """Unbiased: real passes neither above nor below the prediction at the median,
+    overall, on decode-only passes and on decode batches of 1-3 (within 3%). Under
+    1/y^2 weights these were -2% to -12% across recordings. Prefill-bearing passes are
+    held to 8%: their error is the model's shape (aggregated prompt statistics), not
+    its weighting, and moves both ways between recordings (bench_cost_model)."""
+    overall = scored["all"]["model"]["median_signed"]
+    by_regime = scored["signed_by_regime"]["model"]
+    assert abs(overall) < 0.03, overall
+    assert abs(by_regime["decode"]) < 0.03, by_regime
+    assert abs(by_regime["small_decode"]) < 0.03, by_regime
+    assert abs(by_regime["prefill"]) < 0.08, by_regime
 
 
 def test_fit_is_physical_and_ready(passes: list[ForwardPassMetrics]) -> None:
@@ -181,7 +202,7 @@ def test_bench_defaults_to_local_recordings_else_the_repository_one(tmp_path: Pa
         (local / name).write_bytes(b"")
     assert bench.default_recordings(tmp_path) == [local / "a.jsonl", local / "b.jsonl.gz"]
     if not any(REPO.glob("results/recordings/*.jsonl*")):
-        assert bench.default_recordings(REPO) == [RECORDING]
+        assert bench.default_recordings(REPO) == RECORDINGS
 
 
 def test_baseline_predictions_at_or_below_zero_are_scored_not_dropped() -> None:

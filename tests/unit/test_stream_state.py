@@ -37,6 +37,23 @@ def test_restart_detected_and_counted() -> None:
     assert state.passes_since_restart == 2
 
 
+def test_pass_index_counts_passes_since_each_rows_stream_started() -> None:
+    """Per row: passes of its stream since it (re)started, across batches and streams,
+    heartbeats not counted; what the cost model's warm-up is judged by."""
+    table = StreamTable()
+    first = table.observe_batch(
+        [_pass("a", 0, 0), _pass("b", 0, 0), _pass("a", 0, 1), heartbeat("a", 0, 2)], now=1.0
+    )
+    assert first.pass_index[:3].tolist() == [1, 1, 2]
+    second = table.observe_batch(
+        [_pass("a", 0, 3), _pass("b", 0, 1), _pass("a", 0, 0), _pass("a", 0, 1)], now=2.0
+    )
+    # a: one more pass (3rd), then it restarted (counter back to 0): 1, 2 again.
+    assert second.pass_index.tolist() == [3, 2, 1, 2]
+    third = table.observe_batch([_pass("a", 0, 2)], now=3.0)
+    assert third.pass_index.tolist() == [3]
+
+
 def test_duplicate_is_counted_not_accepted() -> None:
     table = StreamTable()
     result = table.observe_batch(

@@ -121,6 +121,12 @@ def cost_model_status(snapshot: Mapping[str, Any]) -> dict[str, Any]:
             "mixed": int(regimes.get("mixed", 0)),
         },
         "outliersRejected": quality.get("outliers_rejected"),
+        "medianSignedError": finite(quality.get("median_signed_error")),
+        "quarantinedStreams": {
+            str(k): round(float(v), 4)
+            for k, v in (quality.get("quarantined") or {}).items()
+            if isinstance(v, int | float) and math.isfinite(v)
+        },
         "updatedAt": rfc3339(float(updated)) if isinstance(updated, int | float) else None,
         CHECKPOINT_KEY: json_clean(dict(snapshot)),
     }
