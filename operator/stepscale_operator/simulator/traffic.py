@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import numpy.typing as npt
@@ -110,9 +111,14 @@ class Traffic:
         return np.arange(n, dtype=np.float64) * bucket_s, counts.astype(np.float64) / bucket_s
 
 
+class TraceError(ValueError):
+    """A trace that cannot be read; the message names the file, the line and what is
+    expected."""
+
+
 def _from_lists(times: list[float], prompt: list[int], output: list[int], name: str) -> Traffic:
     if not times:
-        raise ValueError(f"{name}: no requests")
+        raise TraceError(f"{name}: no requests")
     t = np.asarray(times, dtype=np.float64)
     order = np.argsort(t, kind="stable")
     t = t[order] - t[order][0]
@@ -125,26 +131,70 @@ def _from_lists(times: list[float], prompt: list[int], output: list[int], name: 
     )
 
 
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
+
+
+def _number(value: object, what: str, where: str, whole: bool = True) -> float:
+    """``value`` as a number >= 0 (whole unless told), else a :class:`TraceError`
+    naming ``where``."""
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < 0 or (whole and number != int(number)):
+        kind = "a whole number" if whole else "a number"
+        raise TraceError(f"{where}: {what} is {value!r}; expected {kind} >= 0")
+    return number
+
+
+def _azure_time(stamp: str, where: str) -> float:
+    stamp = stamp.strip()
+    # Timestamps carry 7 fractional digits; datetime takes at most 6.
+    if "." in stamp:
+        head, frac = stamp.split(".", 1)
+        stamp = f"{head}.{frac[:6]}"
+    try:
+        parsed = datetime.fromisoformat(stamp)
+    except ValueError:
+        raise TraceError(
+            f"{where}: TIMESTAMP is {stamp!r}; expected a date and time like "
+            "2023-11-16 18:15:46.6805900"
+        ) from None
+    if parsed.tzinfo is None:
+        # The trace's stamps are UTC; read as local time they would jump
+        # by an hour across a daylight-saving change.
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
+
+
 def load_azure_csv(path: str | Path) -> Traffic:
-    """Azure LLM inference trace (2023): ``TIMESTAMP,ContextTokens,GeneratedTokens``."""
+    """Azure LLM inference trace (2023): ``TIMESTAMP,ContextTokens,GeneratedTokens``.
+
+    Raises :class:`TraceError` for a missing column (named) or a bad value (with
+    its line number).
+    """
     times: list[float] = []
     prompt: list[int] = []
     output: list[int] = []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            # Timestamps carry 7 fractional digits; datetime takes at most 6.
-            stamp = row["TIMESTAMP"].strip()
-            if "." in stamp:
-                head, frac = stamp.split(".", 1)
-                stamp = f"{head}.{frac[:6]}"
-            parsed = datetime.fromisoformat(stamp)
-            if parsed.tzinfo is None:
-                # The trace's stamps are UTC; read as local time they would jump
-                # by an hour across a daylight-saving change.
-                parsed = parsed.replace(tzinfo=UTC)
-            times.append(parsed.timestamp())
-            prompt.append(int(row["ContextTokens"]))
-            output.append(int(row["GeneratedTokens"]))
+    with _open_trace(path) as f:
+        reader = csv.DictReader(f)
+        found = [name.strip() for name in reader.fieldnames or ()]
+        missing = [c for c in AZURE_COLUMNS if c not in found]
+        if missing:
+            raise TraceError(
+                f"{path}: missing column{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(missing)}; expected a CSV header with {','.join(AZURE_COLUMNS)}"
+                f" (found {','.join(found) or 'no header'})"
+            )
+        reader.fieldnames = found
+        for row in reader:
+            where = f"{path}, line {reader.line_num}"
+            if any(row.get(c) is None for c in AZURE_COLUMNS):
+                raise TraceError(f"{where}: expected {len(AZURE_COLUMNS)} columns")
+            times.append(_azure_time(row["TIMESTAMP"], where))
+            prompt.append(int(_number(row["ContextTokens"], "ContextTokens", where)))
+            output.append(int(_number(row["GeneratedTokens"], "GeneratedTokens", where)))
     return _from_lists(times, prompt, output, Path(path).stem)
 
 
@@ -153,25 +203,46 @@ def load_mooncake_jsonl(path: str | Path) -> Traffic:
     times: list[float] = []
     prompt: list[int] = []
     output: list[int] = []
-    with open(path) as f:
-        for line in f:
+    with _open_trace(path) as f:
+        for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
-            times.append(float(rec["timestamp"]) / 1000.0)
-            prompt.append(int(rec["input_length"]))
-            output.append(int(rec["output_length"]))
+            where = f"{path}, line {number}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TraceError(f"{where}: not JSON ({error.msg})") from None
+            missing = [k for k in MOONCAKE_FIELDS if not isinstance(rec, dict) or k not in rec]
+            if missing:
+                raise TraceError(
+                    f"{where}: missing {', '.join(missing)}; expected an object with "
+                    f"{', '.join(MOONCAKE_FIELDS)}"
+                )
+            times.append(_number(rec["timestamp"], "timestamp", where, whole=False) / 1000.0)
+            prompt.append(int(_number(rec["input_length"], "input_length", where)))
+            output.append(int(_number(rec["output_length"], "output_length", where)))
     return _from_lists(times, prompt, output, Path(path).stem)
 
 
+def _open_trace(path: str | Path) -> TextIO:
+    try:
+        return open(path, newline="")
+    except OSError as error:
+        raise TraceError(f"{path}: {error.strerror or error}") from None
+
+
 def load_trace(path: str | Path) -> Traffic:
-    """Load a trace by its extension: ``.csv`` (Azure) or ``.jsonl`` (Mooncake)."""
+    """Load a trace by its extension: ``.csv`` (Azure) or ``.jsonl`` (Mooncake).
+
+    Raises :class:`TraceError` (a ``ValueError``) for anything that keeps it from
+    being read, with a message naming the file and what is expected.
+    """
     suffix = Path(path).suffix.lower()
     if suffix == ".csv":
         return load_azure_csv(path)
     if suffix in (".jsonl", ".json"):
         return load_mooncake_jsonl(path)
-    raise ValueError(f"unknown trace format {suffix!r}: expected .csv or .jsonl")
+    raise TraceError(f"{path}: unknown trace format {suffix!r}; expected .csv or .jsonl")
 
 
 def rate_function(
