@@ -12,7 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -294,6 +294,36 @@ def synthetic(
     conversation trace (prompt mean ~1150, output mean ~210).
     """
     rate = rate_function(kind, base_rps, duration_s, burst_period_s)
+    return _poisson(rate, duration_s, mean_prompt, mean_output, seed, f"synthetic-{kind}")
+
+
+def phased(
+    phases: Sequence[tuple[float, float]],
+    mean_prompt: float = 1100.0,
+    mean_output: float = 200.0,
+    seed: int = 0,
+    name: str = "phased",
+) -> Traffic:
+    """Poisson arrivals at a constant rate per phase: ``(seconds, requests per second)``
+    one after the other (a calm, an overload and a calm phase, say)."""
+    ends = np.cumsum([max(d, 0.0) for d, _ in phases])
+    rates = [r for _, r in phases]
+
+    def rate(t: float) -> float:
+        k = int(np.searchsorted(ends, t, side="right"))
+        return rates[min(k, len(rates) - 1)]
+
+    return _poisson(rate, float(ends[-1]), mean_prompt, mean_output, seed, name)
+
+
+def _poisson(
+    rate: Callable[[float], float],
+    duration_s: float,
+    mean_prompt: float,
+    mean_output: float,
+    seed: int,
+    name: str,
+) -> Traffic:
     rng = np.random.default_rng(seed)
     peak = max(rate(t) for t in np.linspace(0.0, duration_s, 2001)) * 1.05
     # Thinning: candidates at the peak rate, each kept with probability rate/peak.
@@ -309,5 +339,5 @@ def synthetic(
         np.clip(prompt, 16, 16_000).astype(np.int64),
         np.clip(output, 1, 2_000).astype(np.int64),
         duration_s,
-        f"synthetic-{kind}",
+        name,
     )
