@@ -116,9 +116,12 @@ class TraceError(ValueError):
     expected."""
 
 
-def _from_lists(times: list[float], prompt: list[int], output: list[int], name: str) -> Traffic:
+def _from_lists(
+    times: list[float], prompt: list[int], output: list[int], path: str | Path
+) -> Traffic:
+    name = Path(path).stem
     if not times:
-        raise TraceError(f"{name}: no requests")
+        raise TraceError(f"{path}: no requests; expected at least one row")
     t = np.asarray(times, dtype=np.float64)
     order = np.argsort(t, kind="stable")
     t = t[order] - t[order][0]
@@ -195,7 +198,7 @@ def load_azure_csv(path: str | Path) -> Traffic:
             times.append(_azure_time(row["TIMESTAMP"], where))
             prompt.append(int(_number(row["ContextTokens"], "ContextTokens", where)))
             output.append(int(_number(row["GeneratedTokens"], "GeneratedTokens", where)))
-    return _from_lists(times, prompt, output, Path(path).stem)
+    return _from_lists(times, prompt, output, path)
 
 
 def load_mooncake_jsonl(path: str | Path) -> Traffic:
@@ -221,7 +224,7 @@ def load_mooncake_jsonl(path: str | Path) -> Traffic:
             times.append(_number(rec["timestamp"], "timestamp", where, whole=False) / 1000.0)
             prompt.append(int(_number(rec["input_length"], "input_length", where)))
             output.append(int(_number(rec["output_length"], "output_length", where)))
-    return _from_lists(times, prompt, output, Path(path).stem)
+    return _from_lists(times, prompt, output, path)
 
 
 def _open_trace(path: str | Path) -> TextIO:
