@@ -269,7 +269,11 @@ class _Progress:
         except ImportError:
             self.enabled = False
             return
-        self._bar = tqdm(total=self.total, unit="req", file=sys.stderr, dynamic_ncols=True)
+        # Redrawn at most once a second when stderr is a file (a log, CI), not a terminal.
+        interval = 0.1 if sys.stderr.isatty() else 1.0
+        self._bar = tqdm(
+            total=self.total, unit="req", file=sys.stderr, dynamic_ncols=True, mininterval=interval
+        )
 
     def __call__(self, label: str, now: float) -> None:
         if self.enabled and self._bar is None:

@@ -271,10 +271,9 @@ _OUTLIER_FACTOR = 2.0
 
 def plot_title(name: str, rate_scale: float, slo: SloTargets, startup_s: float) -> str:
     """The figure title: the traffic, its rate scale, the SLO and the pod start-up time."""
-    scale = f" x{rate_scale:g}" if rate_scale != 1.0 else ""
     return (
-        f"{name}{scale}: SLO TTFT <= {slo.ttft_ms:g} ms, ITL <= {slo.itl_ms:g} ms; "
-        f"pods start in {startup_s:g} s"
+        f"{name} (rate x{rate_scale:g}); SLO TTFT <= {slo.ttft_ms:g} ms and "
+        f"ITL <= {slo.itl_ms:g} ms per request; pods start in {startup_s:g} s"
     )
 
 
@@ -306,7 +305,7 @@ def plot_timeline(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     fig, axes = plt.subplots(
         4, 1, figsize=(13, 11), sharex=True, gridspec_kw={"height_ratios": [1, 1.6, 1.2, 1.2]}
@@ -355,6 +354,12 @@ def plot_timeline(
             fontsize=9,
         )
         ax.set_yscale("log")
+        # Plain numbers (300, 1000, 3000), not powers of ten, on a log axis.
+        plain = FuncFormatter(lambda value, _pos: f"{value:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(
+            FuncFormatter(lambda value, _pos: f"{value:g}" if str(value)[0] in "25" else "")
+        )
         ax.set_ylabel(f"{name} p99\n(ms, per minute)")
     handles.append(slo_line)
     ax_itl.set_xlabel("time (min)")
