@@ -364,7 +364,8 @@ def _on_use(module: str, function: str) -> Callable[[Any], Any]:
 register(
     Subcommand(
         name="demo",
-        help="run the whole loop locally: a real vLLM CPU engine, replayed traffic, live status",
+        help="run the whole loop locally for a few minutes: a real vLLM CPU engine pushed past "
+        "its SLO and back, the recommendation with its reasons, a summary at the end",
         add_arguments=_on_use("stepscale_operator.demo", "add_demo_arguments"),
         run=_on_use("stepscale_operator.demo", "run_demo"),
     )

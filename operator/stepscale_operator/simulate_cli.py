@@ -1,13 +1,13 @@
 """``stepscale simulate``: replay a trace (or synthetic load) against scaling policies.
 
-Examples (the README's tables)::
+The README's tables, reproduced:
 
-    stepscale simulate --trace ../shared/traces/azure_llm_conv_2023.csv --rate-scale 20 \\
-        --policy all --plot --json
-    stepscale simulate --synthetic bursts --policy all --plot
+  stepscale simulate --trace azure_llm_conv_2023.csv --rate-scale 20 --policy all --plot
+  stepscale simulate --synthetic bursts --policy all --plot
+  stepscale simulate --synthetic bursts-20min --policy all --plot
 
-Files named without a directory (and ``--plot``/``--json`` given without a name) are
-written under ``results/``.
+Files named without a directory (and --plot, --json given without a name) are
+written under results/.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def output_path(given: str | None, default_name: str) -> Path | None:
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``stepscale simulate``."""
-    p.epilog = (__doc__ or "").split("\n", 1)[1]
+    p.epilog = (__doc__ or "").split("\n", 2)[2]
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Azure CSV or Mooncake JSONL trace")
