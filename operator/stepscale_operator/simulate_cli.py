@@ -76,9 +76,12 @@ def policy_list(text: str) -> list[str]:
 
 def output_path(given: str | None, default_name: str) -> Path | None:
     """Where an output goes: ``None`` (not asked for), ``results/NAME`` for a bare
-    file name or an option given without one, else the path as given."""
+    file name or an option given without one, ``DIR/default_name`` for a folder,
+    else the path as given."""
     if given is None:
         return None
+    if given and (given.endswith("/") or Path(given).is_dir()):
+        return Path(given) / default_name  # a folder: the default name in it
     name = given or default_name
     return RESULTS_DIR / name if "/" not in name else Path(name)
 

@@ -215,6 +215,10 @@ def test_outputs_named_without_a_directory_go_under_results(
     elsewhere.parent.mkdir()
     assert cli.main([*argv, "--json", str(elsewhere), "--no-progress", *CHEAP_CALIBRATION]) == 0
     assert elsewhere.exists()
+    assert (
+        cli.main([*argv, "--plot", str(elsewhere.parent), "--no-progress", *CHEAP_CALIBRATION]) == 0
+    )
+    assert (elsewhere.parent / "timeline_synthetic-flat.png").exists()
 
 
 def test_replica_axis_clips_only_an_outlier() -> None:
