@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 
@@ -33,51 +34,35 @@ def report(command: str, error: Exception) -> int:
     return 2
 
 
-def _number(text: str, kind: type[float] | type[int], expected: str) -> float:
+def _number(
+    text: str, kind: type[float] | type[int], expected: str, accept: Callable[[float], bool]
+) -> float:
+    """``text`` as a ``kind`` that ``accept`` takes, else argparse's usage error
+    saying what was ``expected``."""
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if isinstance(value, float) and not math.isfinite(value):
+        value = math.nan
+    if not math.isfinite(value) or not accept(value):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
 
 
 def positive_float(text: str) -> float:
     """A number > 0."""
-    value = _number(text, float, "a number > 0")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return float(value)
+    return float(_number(text, float, "a number > 0", lambda v: v > 0))
 
 
 def non_negative_float(text: str) -> float:
     """A number >= 0."""
-    value = _number(text, float, "a number >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return float(value)
+    return float(_number(text, float, "a number >= 0", lambda v: v >= 0))
 
 
 def positive_int(text: str) -> int:
     """A whole number >= 1."""
-    value = _number(text, int, "a whole number >= 1")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(value)
-
-
-def non_negative_int(text: str) -> int:
-    """A whole number >= 0."""
-    value = _number(text, int, "a whole number >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return int(value)
+    return int(_number(text, int, "a whole number >= 1", lambda v: v >= 1))
 
 
 def port(text: str) -> int:
     """A TCP port, 1 to 65535."""
-    value = _number(text, int, "a TCP port (1-65535)")
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {text!r}")
-    return int(value)
+    return int(_number(text, int, "a TCP port (1-65535)", lambda v: 0 < v < 65536))
