@@ -236,6 +236,7 @@ class DemoOperator:
         self.pod_name = pod_name
         self.pod_ip = pod_ip
         self.created_at = time.time()
+        self.replicas = spec.replicas  # the child Deployment's count, as the operator sets it
         self.autoscaler = DeploymentAutoscaler(NAME, spec)
         self._previous_conditions: list[dict[str, Any]] = []
         # The pod exists from the start; it is "starting" until the engine is ready.
@@ -250,8 +251,14 @@ class DemoOperator:
         self._observe(ready=True)
 
     def status(self) -> dict[str, Any]:
-        """Decide once; the ``VllmDeployment`` status that round would write."""
-        result = self.autoscaler.decide(current_replicas=self.spec.replicas)
+        """Decide once; the ``VllmDeployment`` status that round would write.
+
+        The recommendation is followed as ``auto`` mode would: the child
+        Deployment's count becomes the desired one. Only the local engine is real,
+        so the replicas added that way stay "starting" (capacity the planner sees
+        coming), and a scale-down removes them again after the stabilization window.
+        """
+        result = self.autoscaler.decide(current_replicas=self.replicas)
         snapshot = result.cost_model_snapshot
         quality = snapshot.get("quality") or {}
         now = time.time()
@@ -269,14 +276,17 @@ class DemoOperator:
         )
         self._previous_conditions = conditions
         decision = result.decision
+        replicas = self.replicas
+        if decision is not None:
+            self.replicas = decision.desired_replicas
         return build_status(
             now_wall=now,
             generation=1,
             selector=f"stepscale.io/vllmdeployment={NAME}",
             mode="advisory",
-            replicas=self.spec.replicas,
+            replicas=replicas,
             ready_replicas=result.ready,
-            desired_replicas=decision.desired_replicas if decision else self.spec.replicas,
+            desired_replicas=decision.desired_replicas if decision else replicas,
             conditions=conditions,
             cost_model_snapshot=snapshot,
             load=result.load,
@@ -348,7 +358,7 @@ def latency_lines(entry: Round, slo: SloTargets) -> list[str]:
     return [
         f"  latency p99          TTFT      ITL   (SLO {slo.ttft_ms:g} / {slo.itl_ms:g} ms)",
         f"    predicted     {_ms(entry.predicted_ttft_ms):>9}{_ms(entry.predicted_itl_ms):>9}"
-        "   model, at the load planned for",
+        "   the model, at the ready replicas and the planned load",
         f"    measured      {_ms(m.ttft_p99_ms):>9}{_ms(m.itl_p99_ms):>9}"
         f"   client side, {m.requests} requests finished in the last {MEASURE_WINDOW_S:g} s",
     ]
@@ -395,7 +405,8 @@ def run_demo(args: argparse.Namespace) -> int:
             entry = record.add(now, status, measured)
             print("\n" + kubectl_table(status, NAME, now))
             print("\n".join(detail_lines(status) + latency_lines(entry, slo)), flush=True)
-            if engine.done() and (entry.desired <= 1 or now > traffic.duration_s + MAX_WIND_DOWN_S):
+            back = entry.desired <= 1 and status.get("replicas") == 1
+            if engine.done() and (back or now > traffic.duration_s + MAX_WIND_DOWN_S):
                 break
     except KeyboardInterrupt:
         print("\ninterrupted")
@@ -404,7 +415,7 @@ def run_demo(args: argparse.Namespace) -> int:
         operator.close()
         if log_file is not None:
             log_file.close()
-    print("\n".join(summary_lines(record, engine.finished, slo, status, spec.replicas)))
+    print("\n".join(summary_lines(record, engine.finished, slo, status, running_replicas=1)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(status, indent=2))
     print(f"\nthe last status (what the VllmDeployment showed) is in {args.out}")
@@ -426,8 +437,9 @@ def _introduction(traffic: Traffic, args: argparse.Namespace) -> str:
         [
             f"stepscale demo: {len(traffic)} requests ({load}); SLO TTFT {args.ttft_ms:g} ms, "
             f"ITL {args.itl_ms:g} ms",
-            "  one real vLLM CPU engine (REPLICAS/READY); the operator core advises "
-            "(DESIRED) and does not scale it",
+            "  READY is the one real vLLM CPU engine; DESIRED is the operator core's "
+            "recommendation, and REPLICAS follows it as in auto mode, but the replicas "
+            "it adds are not real (they stay starting)",
             f"  demo timings: scale-down stabilization {args.stabilization_s:g} s, initial hold "
             f"{DEMO_INITIAL_HOLD_S:g} s, burst memory {DEMO_BURST_MEMORY_S:g} s, pod start-up "
             f"{DEMO_STARTUP_S:g} s (operator defaults: 120, 300, 900, 120)",

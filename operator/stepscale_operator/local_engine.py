@@ -170,6 +170,7 @@ def _replay(schedule_path: str) -> int:
         **ENGINE_ARGS,
     )
     engine = llm.llm_engine
+    _warm_up(engine, SamplingParams)
     print("READY", flush=True)
     sys.stdin.readline()
     rng = random.Random(0)
@@ -201,6 +202,20 @@ def _replay(schedule_path: str) -> int:
     # that goes stale would make the last decisions holds on missing data.
     sys.stdin.readline()
     return 0
+
+
+def _warm_up(engine: Any, sampling_params: Any) -> None:
+    """Run a few requests of varied lengths before the replay: the CPU backend's
+    first passes of each batch shape are several times slower, which would count
+    against the SLO in the calm phase and against the model's first fit."""
+    for k, prompt_len in enumerate((64, 200, 400, 700, 1000, 1400, 300, 90)):
+        engine.add_request(
+            f"warm-{k}",
+            {"prompt_token_ids": [1 + (i * 7 + k) % 999 for i in range(prompt_len)]},
+            sampling_params(max_tokens=24, ignore_eos=True, temperature=0.0),
+        )
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _time_outputs(

@@ -13,8 +13,11 @@ from stepscale_operator.latency_model import SloTargets
 from stepscale_operator.local_engine import ClientLatency
 
 
-def _status(desired: int, action: str, ttft: float | None = 400.0) -> dict[str, object]:
+def _status(
+    desired: int, action: str, ttft: float | None = 400.0, queued: int = 0
+) -> dict[str, object]:
     return {
+        "load": {"queuedPrefillRequests": queued},
         "desiredReplicas": desired,
         "lastDecision": {"action": action, "reason": f"{action} because"},
         "predictions": {"current": {"ttftMs": ttft, "itlMs": 20.0}},
@@ -51,11 +54,15 @@ def test_summary_lists_changes_accuracy_and_cost() -> None:
         (1, "scale_down"),
     ]
     for k, (desired, action) in enumerate(plan):
-        record.add(10.0 * k, _status(desired, action), MeasuredLatency.of(_requests(10, 500.0)))
+        # A queue in the rounds around the rise: there the TTFT measured is 5 s.
+        queued = 9 if desired == 3 else 0
+        window = _requests(10, 5000.0 if queued else 500.0)
+        record.add(10.0 * k, _status(desired, action, queued=queued), MeasuredLatency.of(window))
     assert [(before, r.desired) for before, r in record.changes()] == [(1, 3), (3, 2), (2, 1)]
-    # Predicted 400 ms against measured 500 ms: 20% off in every round.
-    error, rounds = record.prediction_errors()["ttft"]
-    assert error == pytest.approx(0.2) and rounds == len(plan)
+    # Predicted 400 ms against measured 500 ms: 20% off in every round without a queue.
+    assert record.prediction_errors(queued=False)["ttft"] == (pytest.approx(0.2), 4)
+    assert record.prediction_errors(queued=True)["ttft"] == (pytest.approx(0.92), 2)
+    assert record.prediction_errors()["ttft"][1] == len(plan)
     assert record.replica_seconds() == pytest.approx(10.0 * (1 + 1 + 3 + 3 + 2))
     lines = "\n".join(
         summary_lines(record, _requests(8, 500.0) + _requests(2, 3000.0), SloTargets(1500, 60),
@@ -63,7 +70,9 @@ def test_summary_lists_changes_accuracy_and_cost() -> None:
     )  # fmt: skip
     assert "the recommendation changed 3 times" in lines
     assert "at   20s  1 -> 3  scale_up: scale_up because" in lines
-    assert "prequential MAPE 12% over 5000 passes" in lines and "TTFT 20% (6 rounds)" in lines
+    assert "prequential MAPE 12% over 5000 passes" in lines
+    assert "rounds without a queue: TTFT 20% off (4)" in lines
+    assert "rounds with requests queued: TTFT 92% off (2)" in lines and "mostly waiting" in lines
     assert "TTFT within 1500 ms 80%" in lines
     assert "would have run up to 3 replicas (at 20s); 100 replica-seconds over 50s" in lines
 
