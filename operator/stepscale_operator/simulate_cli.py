@@ -42,6 +42,7 @@ from stepscale_operator.simulator.ground_truth import (
 from stepscale_operator.simulator.policies import ScalingSetup
 from stepscale_operator.simulator.readme_scenarios import (
     BURSTS_ONLY,
+    DYNAMO_SWEEP,
     README_POLICIES,
     SETUP,
     SLO,
@@ -375,7 +376,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if plot is not None:
         plot.parent.mkdir(parents=True, exist_ok=True)
         title = plot_title(traffic.name, args.rate_scale, slo, args.startup_s)
-        plot_timeline([r.result for r in runs], slo, str(plot), title=title)
+        # With "all", the Dynamo-style sweep's extra settings would clutter the figure.
+        shown = [r for r in runs if r.summary.policy not in DYNAMO_SWEEP or len(runs) < 8]
+        plot_timeline([r.result for r in shown], slo, str(plot), title=title)
         print(f"timeline written to {plot}", file=sys.stderr)
     requests_csv = output_path(args.requests_csv, f"requests_{scenario}.csv")
     if requests_csv is not None:

@@ -352,6 +352,8 @@ def plot_timeline(
             va="bottom",
             color="red",
             fontsize=9,
+            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none", "pad": 1.0},
+            zorder=5,
         )
         ax.set_yscale("log")
         # Plain numbers (300, 1000, 3000), not powers of ten, on a log axis.
