@@ -321,6 +321,7 @@ def plot_timeline(
     handles = []
     for k, res in enumerate(results):
         colour, style, width = _style(res.policy, k)
+        on_top = 3 if res.policy == "ours" else 2  # ours is never hidden under another line
         tl = res.timeline
         peak = float(np.max(tl["total"])) if len(tl["t"]) else 0.0
         label = res.policy + (f" (up to {peak:.0f}, clipped)" if peak > top else "")
@@ -332,11 +333,12 @@ def plot_timeline(
             ls=style,
             lw=width,
             label=label,
+            zorder=on_top,
         )
         handles.append(line)
         tb, ttft, itl = windowed_latency(res, 60.0)
-        ax_ttft.plot(tb / 60.0, ttft, color=colour, ls=style, lw=width)
-        ax_itl.plot(tb / 60.0, itl, color=colour, ls=style, lw=width)
+        ax_ttft.plot(tb / 60.0, ttft, color=colour, ls=style, lw=width, zorder=on_top)
+        ax_itl.plot(tb / 60.0, itl, color=colour, ls=style, lw=width, zorder=on_top)
     ax_rep.set_ylim(0, top)
     ax_rep.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax_rep.set_ylabel("replicas\n(ready + starting)")
