@@ -249,16 +249,16 @@ def windowed_latency(
 
 
 # One colour (and line style) per policy, so a policy looks the same in every panel
-# and every figure; the Dynamo-style sweep in shades of one blue.
+# and every figure; the Dynamo-style sweep in blues told apart by line style.
 _STYLE: dict[str, tuple[str, str, float]] = {
     "ours": ("#000000", "-", 2.2),
     "ours@memory": ("#d62728", "-", 1.4),
     "static": ("#7f7f7f", "-", 1.4),
     "hpa": ("#ff7f0e", "-", 1.4),
     "dynamo": ("#1f77b4", "-", 1.4),
-    "dynamo@0.2": ("#4a9bd6", "--", 1.2),
-    "dynamo@0.4": ("#7fb8e6", "--", 1.2),
-    "dynamo@0.6": ("#b3d4f0", "--", 1.2),
+    "dynamo@0.2": ("#5aa5dc", "--", 1.4),
+    "dynamo@0.4": ("#2a6fb0", "-.", 1.4),
+    "dynamo@0.6": ("#0b3d78", ":", 1.8),
     "oracle": ("#2ca02c", "--", 1.6),
     "oracle+window": ("#98df8a", "-", 1.6),
     "hindsight": ("#9467bd", ":", 1.8),
@@ -324,7 +324,7 @@ def plot_timeline(
         on_top = 3 if res.policy == "ours" else 2  # ours is never hidden under another line
         tl = res.timeline
         peak = float(np.max(tl["total"])) if len(tl["t"]) else 0.0
-        label = res.policy + (f" (up to {peak:.0f}, clipped)" if peak > top else "")
+        label = res.policy + (f" (peak {peak:.0f}, off scale)" if peak > top else "")
         (line,) = ax_rep.step(
             np.asarray(tl["t"]) / 60.0,
             tl["total"],
@@ -373,12 +373,12 @@ def plot_timeline(
         handles,
         [h.get_label() for h in handles[:-1]] + ["SLO"],
         loc="center left",
-        bbox_to_anchor=(0.83, 0.5),
+        bbox_to_anchor=(0.80, 0.5),
         frameon=False,
         fontsize=9,
     )
     if title:
         fig.suptitle(title, fontsize=12)
-    fig.tight_layout(rect=(0.0, 0.0, 0.82, 0.97))
+    fig.tight_layout(rect=(0.0, 0.0, 0.79, 0.97))
     fig.savefig(path, dpi=100)
     plt.close(fig)
