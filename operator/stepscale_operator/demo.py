@@ -227,8 +227,8 @@ class DemoOperator:
 
     :meth:`pod_ready` is the pod event a kubelet's Ready report would cause;
     :meth:`status` is one decision round and returns the status the operator
-    would write (the child Deployment has one replica; advisory mode never
-    changes that).
+    would write. The planner runs in advisory mode (nothing real is scaled) but
+    its recommendation becomes the child Deployment's count, as in auto mode.
     """
 
     def __init__(self, spec: VllmDeploymentSpec, pod_name: str, pod_ip: str = POD_IP) -> None:
