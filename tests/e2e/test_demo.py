@@ -24,6 +24,7 @@ def test_demo_rises_past_the_slo_falls_back_and_summarises(tmp_path: Path) -> No
         timeout=900,
     )
     stdout = proc.stdout
+    print(stdout)  # the whole run, for the log (pytest -rP shows it)
     assert proc.returncode == 0, stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in stdout + proc.stderr
     # The screen says what is real, what is predicted and which timings are shortened.
