@@ -444,7 +444,7 @@ def _introduction(traffic: Traffic, args: argparse.Namespace) -> str:
             f"{DEMO_INITIAL_HOLD_S:g} s, burst memory {DEMO_BURST_MEMORY_S:g} s, pod start-up "
             f"{DEMO_STARTUP_S:g} s (operator defaults: 120, 300, 900, 120)",
             "  TTFT/ITL columns: the model's predicted p99 at the running replicas",
-            "starting a vLLM CPU engine with the Stepscale plugin (40-100 s)...",
+            "starting a vLLM CPU engine with the Stepscale plugin (30-100 s)...",
         ]
     )
 
