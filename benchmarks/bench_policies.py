@@ -39,13 +39,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from stepscale_operator.latency_model import EngineLimits, SloTargets
 from stepscale_operator.planner import PlannerPolicy
+from stepscale_operator.simulator import readme_scenarios as readme
 from stepscale_operator.simulator.fleet import Fleet, FleetConfig, SimResult
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B
 from stepscale_operator.simulator.policies import (
     PlannerDrivenPolicy,
-    ScalingSetup,
     StaticPolicy,
     prediction_errors,
 )
@@ -54,6 +53,7 @@ from stepscale_operator.simulator.report import (
     attainment_in_windows,
     format_table,
     plot_timeline,
+    plot_title,
     replica_seconds,
 )
 from stepscale_operator.simulator.scenario import (
@@ -73,12 +73,13 @@ from stepscale_operator.simulator.traffic import (
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE = REPO.parent / "shared" / "traces" / "azure_llm_conv_2023.csv"
-SLO = SloTargets(ttft_ms=1000.0, itl_ms=40.0)
-BURSTS = "synthetic-bursts"
+# The scenarios, SLO and fleet are defined once, with ``stepscale simulate``.
+SLO = readme.SLO
+BURSTS = readme.BURSTS.name
 # Bursts that recur more slowly than the planner's burst memory lasts (15 min).
-SLOW_BURSTS = "synthetic-bursts-20min"
-SLOW_BURST_PERIOD_S = 1200.0
-SETUP = ScalingSetup(slo=SLO, limits=EngineLimits(), startup_s=60.0, max_replicas=64)
+SLOW_BURSTS = readme.SLOW_BURSTS.name
+SLOW_BURST_PERIOD_S = readme.SLOW_BURSTS.burst_period_s
+SETUP = readme.SETUP
 
 
 def prediction_accuracy(run: PolicyRun) -> dict[str, float]:
@@ -101,7 +102,7 @@ class Verdict:
 
 # The Dynamo-style baseline at more headroom than the definition (0): the
 # GPU-hours it needs to reach a given attainment, for a comparison at equal attainment.
-DYNAMO_SWEEP = ("dynamo@0.2", "dynamo@0.4", "dynamo@0.6")
+DYNAMO_SWEEP = readme.DYNAMO_SWEEP
 ATTAINMENT_TARGET = 0.99
 ORACLE_RATIO_LIMIT = 1.15
 PREDICTION_ERROR_LIMIT = 0.10
@@ -332,14 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     global _SEED
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rate-scale", type=float, default=20.0, help="Azure trace rate scale")
+    parser.add_argument(
+        "--rate-scale", type=float, default=readme.TRACE_RATE_SCALE, help="Azure trace rate scale"
+    )
     parser.add_argument("--duration-s", type=float, default=None, help="cut the trace")
-    parser.add_argument("--burst-rps", type=float, default=40.0)
-    parser.add_argument("--burst-duration-s", type=float, default=1800.0)
+    parser.add_argument("--burst-rps", type=float, default=readme.BURSTS.base_rps)
+    parser.add_argument("--burst-duration-s", type=float, default=readme.BURSTS.duration_s)
     parser.add_argument(
         "--slow-burst-duration-s",
         type=float,
-        default=5400.0,
+        default=readme.SLOW_BURSTS.duration_s,
         help=f"length of the bursts every {SLOW_BURST_PERIOD_S:.0f} s (0: not run)",
     )
     parser.add_argument(
@@ -377,15 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"(no trace at {TRACE}: synthetic scenario only)", file=sys.stderr)
     burst_periods = {BURSTS: BURST_PERIOD_S, SLOW_BURSTS: SLOW_BURST_PERIOD_S}
-    bursts = synthetic("bursts", args.burst_duration_s, args.burst_rps, seed=args.seed)
+    bursts = readme.BURSTS.traffic(args.burst_duration_s, args.burst_rps, seed=args.seed)
     scenarios.append((BURSTS, bursts))
     if args.slow_burst_duration_s > 0.0:
-        slow = synthetic(
-            "bursts",
-            args.slow_burst_duration_s,
-            args.burst_rps,
-            seed=args.seed,
-            burst_period_s=SLOW_BURST_PERIOD_S,
+        slow = readme.SLOW_BURSTS.traffic(
+            args.slow_burst_duration_s, args.burst_rps, seed=args.seed
         )
         scenarios.append((SLOW_BURSTS, slow))
 
@@ -419,9 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: dict[tuple[str, str], tuple[RunSummary, SimResult, dict[str, float]]] = {}
     if args.jobs > 1:
         # Longest first (the FPM-driven run and the big fleets on the trace).
-        order = sorted(
-            jobs, key=lambda j: (not j[1].startswith("ours"), j[0] != scenarios[0][0])
-        )
+        order = sorted(jobs, key=lambda j: (not j[1].startswith("ours"), j[0] != scenarios[0][0]))
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
             for job, outcome in zip(order, pool.map(_run_one, order), strict=True):
@@ -501,7 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, (scenario, _) in enumerate(scenarios):
         # The first scenario (the trace) is the headline plot; others get a suffix.
         png = out / ("policies_timeline.png" if k == 0 else f"policies_timeline_{scenario}.png")
-        plot_timeline(plotted.get(scenario, []), SLO, str(png), title=scenario)
+        scale = args.rate_scale if scenario.startswith("azure") else 1.0
+        title = plot_title(scenario, scale, SLO, SETUP.startup_s)
+        plot_timeline(plotted.get(scenario, []), SLO, str(png), title=title)
         pngs.append(str(png))
     print(f"wrote {out / 'bench_policies.json'} and {', '.join(pngs)}")
     return 0

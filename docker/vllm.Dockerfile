@@ -1,8 +1,8 @@
 # A vLLM serving image with the Stepscale engine plugin: vLLM loads it through its
 # `vllm.general_plugins` entry point, no vLLM source change. Only msgspec and pyzmq
 # are added (vLLM already ships both).
-#   docker build -f docker/vllm.Dockerfile --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.11.0 \
-#       -t ghcr.io/stepscale/vllm-openai-stepscale:v0.11.0 .
+#   docker build -f docker/vllm.Dockerfile --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.32.0 \
+#       -t ghcr.io/stepscale/vllm-openai-stepscale:v0.32.0 .
 # Not built in CI (no container runtime there).
 ARG VLLM_IMAGE=vllm/vllm-openai:latest
 FROM ${VLLM_IMAGE}

@@ -1,7 +1,7 @@
 """Batch composition of one forward pass, from vLLM V1's ``SchedulerOutput``.
 
 Pure: reads duck-typed objects (a real ``SchedulerOutput`` or a test double) and
-never imports vLLM. Classification follows ``shared/spec/fpm-wire-v1.md``:
+never imports vLLM. Classification follows ``docs/fpm-wire-v1.md``:
 
 * prefill: newly scheduled requests; cached requests still in their context
   phase (chunked-prefill continuations, no output token yet); and any request

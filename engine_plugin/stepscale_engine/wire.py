@@ -2,7 +2,7 @@
 
 The one module both sides import: the three structs, the frame format
 ``[topic, sequence, payload]`` and the decoder's validation rules. The schema is
-fixed by ``shared/spec/fpm-wire-v1.md`` and shared with NVIDIA Dynamo, SGLang and
+fixed by ``docs/fpm-wire-v1.md`` and shared with NVIDIA Dynamo, SGLang and
 the vLLM RFC #38760 pull request:
 
 * every struct is a plain ``msgspec.Struct`` (``frozen=True, gc=False``), encoded

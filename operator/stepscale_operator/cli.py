@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import ipaddress
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +30,13 @@ import msgspec
 import zmq
 
 from stepscale_engine.wire import DecodeError, ForwardPassMetrics, FrameError, decode_frames
+from stepscale_operator.cli_input import (
+    InputError,
+    OneLineParser,
+    positive_float,
+    positive_int,
+    report,
+)
 from stepscale_operator.tail_view import TailView
 
 # ANSI: cursor home, clear to end of screen. Only used when stdout is a terminal.
@@ -61,7 +70,7 @@ def register(subcommand: Subcommand) -> Subcommand:
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per registered subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="stepscale",
         description="Stepscale: autoscaling vLLM on Kubernetes from per-forward-pass metrics.",
     )
@@ -76,13 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``stepscale`` console script; returns the exit status."""
+    """Entry point of the ``stepscale`` console script; returns the exit status.
+
+    A bad input (:class:`~stepscale_operator.cli_input.InputError`) is one line on
+    stderr and exit status 2, whichever subcommand finds it.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    status: int = args.run(args)
+    try:
+        status: int = args.run(args)
+    except InputError as error:
+        return report(f"stepscale {args.command}", error)
     return status
 
 
@@ -111,18 +127,28 @@ def parse_endpoint(text: str) -> str:
     return f"tcp://{host}:{int(port)}"
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-    return value
+def resolve_endpoint(endpoint: str) -> None:
+    """Raise :class:`InputError` if a ``tcp://`` endpoint's host has no address.
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
+    ZMQ would retry a name that does not resolve forever, silently; a typo
+    should fail at once instead.
+    """
+    if not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as error:
+        raise InputError(
+            f"ENDPOINT {endpoint}: cannot resolve host {host!r} ({error}); "
+            "expected a resolvable host name or an IP address"
+        ) from None
 
 
 def add_tail_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,19 +178,19 @@ def add_tail_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(mode="table")
     parser.add_argument(
         "--interval",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="table refresh interval in seconds (default 1.0)",
     )
     parser.add_argument(
         "--count",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="exit after this many messages (heartbeats included)",
     )
     parser.add_argument(
         "--duration",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="exit after this many seconds",
     )
@@ -225,6 +251,8 @@ def _by_value(item: tuple[FrameError, int]) -> str:
 
 def run_tail(args: argparse.Namespace) -> int:
     """Run ``stepscale tail`` until --count, --duration or Ctrl-C; returns 0."""
+    for endpoint in args.endpoints:
+        resolve_endpoint(endpoint)
     output = _TailOutput(args.mode, sys.stdout, sys.stderr)
     view = TailView()
     # A private context, so that closing it cannot disturb anyone else's sockets
@@ -336,7 +364,8 @@ def _on_use(module: str, function: str) -> Callable[[Any], Any]:
 register(
     Subcommand(
         name="demo",
-        help="run the whole loop locally: a real vLLM CPU engine, replayed traffic, live status",
+        help="run the whole loop locally for a few minutes: a real vLLM CPU engine pushed past "
+        "its SLO and back, the recommendation with its reasons, a summary at the end",
         add_arguments=_on_use("stepscale_operator.demo", "add_demo_arguments"),
         run=_on_use("stepscale_operator.demo", "run_demo"),
     )

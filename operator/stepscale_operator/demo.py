@@ -1,22 +1,26 @@
 """``stepscale demo``: the whole loop on one machine, no cluster.
 
 A real vLLM CPU engine (tiny random Llama, the Stepscale plugin enabled by
-environment exactly as in a pod) replays a request trace: the shared Azure
-conversation trace when it is present, else the built-in synthetic bursts.
-The operator's own controller core listens to it: a
+environment exactly as in a pod) serves a load with a calm phase, an overload
+phase past its SLO and a calm phase again (or a trace, ``--trace``). The
+operator's own controller core listens to it: a
 :class:`~stepscale_operator.controller.autoscaler.DeploymentAutoscaler` (FPM
 subscriber, cost model, load estimate, planner in advisory mode) that sees the
 engine as one pod of a ``VllmDeployment``, and the status builder the operator
 writes the custom resource with. Every refresh prints what ``kubectl get vd``
-would show, plus the fitted model and the reason for the current decision; at
-the end the status that would be on the resource goes to
-``results/demo_status.json``.
+would show, plus the fitted model, the reason for the current decision, and the
+model's predicted p99 TTFT/ITL beside what the demo's own requests measured as a
+client. The recommendation rises during the overload and falls after the
+stabilization window, which the demo shortens (it says so on screen). It ends
+with a summary (:mod:`stepscale_operator.demo_summary`); the status that would be
+on the resource goes to ``results/demo_status.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 import sys
 import time
@@ -24,22 +28,44 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from stepscale_operator.cli_input import (
+    InputError,
+    OneLineParser,
+    non_negative_float,
+    positive_float,
+    report,
+)
 from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
 from stepscale_operator.controller.discovery import PodView
 from stepscale_operator.controller.spec import VllmDeploymentSpec, parse_spec
 from stepscale_operator.controller.status import build_conditions, build_status
+from stepscale_operator.demo_summary import DemoRecord, MeasuredLatency, Round, summary_lines
+from stepscale_operator.latency_model import SloTargets
 from stepscale_operator.local_engine import (
     ENGINE_ARGS,
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TOKENS,
     LocalEngine,
 )
-from stepscale_operator.simulator.traffic import Traffic, load_trace, synthetic
+from stepscale_operator.simulator.traffic import TraceError, Traffic, load_trace, phased
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_conv_2023.csv"
 NAME = "demo"
 POD_IP = "127.0.0.1"  # the local engine stands in for one pod on loopback
+# Shorter than an operator's defaults, so a rise and a fall fit in a few minutes;
+# shown on screen. On a cluster these are spec.autoscaling fields.
+DEMO_STABILIZATION_S = 30.0
+DEMO_INITIAL_HOLD_S = 30.0
+DEMO_BURST_MEMORY_S = 20.0
+DEMO_STARTUP_S = 30.0
+# Client-side latencies are measured over the requests finished this recently.
+MEASURE_WINDOW_S = 10.0
+# After the load ends the engine idles (heartbeating) until the recommendation is
+# back at one replica, at most this long.
+MAX_WIND_DOWN_S = 90.0
+# Prompt and output lengths of the load profile (tokens), kept small for the CPU engine.
+DEMO_PROMPT_TOKENS = 400.0
+DEMO_OUTPUT_TOKENS = 80.0
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,20 +74,63 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace",
         type=Path,
         default=None,
-        help=f"Azure CSV or Mooncake JSONL (default: {DEFAULT_TRACE} if present, "
-        "else synthetic bursts)",
+        help="replay this Azure CSV or Mooncake JSONL trace instead of the calm / "
+        "overload / calm load profile",
     )
-    parser.add_argument("--duration-s", type=float, default=120.0, help="seconds of traffic")
+    parser.add_argument(
+        "--calm-rps",
+        type=positive_float,
+        default=1.5,
+        help="request rate of the calm phases (default 1.5 req/s)",
+    )
+    parser.add_argument(
+        "--overload-rps",
+        type=positive_float,
+        default=12.0,
+        help="request rate of the overload phase, beyond what one CPU engine serves "
+        "within the SLO (default 12 req/s)",
+    )
+    parser.add_argument(
+        "--phases-s",
+        type=_phases,
+        default=(30.0, 40.0, 60.0),
+        metavar="CALM,OVERLOAD,CALM",
+        help="length of the three phases in seconds (default 30,40,60)",
+    )
+    parser.add_argument(
+        "--duration-s",
+        type=positive_float,
+        default=None,
+        help="seconds of traffic to replay (default: the whole profile, or 120 s of a trace)",
+    )
     parser.add_argument(
         "--rate-scale",
-        type=float,
+        type=positive_float,
         default=1.0,
-        help="request-rate multiplier (the CPU engine is small)",
+        help="multiply the request rate (of the profile or the trace)",
     )
-    parser.add_argument("--refresh-s", type=float, default=3.0, help="status refresh period")
-    parser.add_argument("--ttft-ms", type=float, default=1500.0)
-    parser.add_argument("--itl-ms", type=float, default=60.0)
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "demo_status.json")
+    parser.add_argument(
+        "--refresh-s", type=positive_float, default=3.0, help="status refresh period (s)"
+    )
+    parser.add_argument(
+        "--ttft-ms", type=positive_float, default=1500.0, help="TTFT SLO (ms, default 1500)"
+    )
+    parser.add_argument(
+        "--itl-ms", type=positive_float, default=60.0, help="ITL SLO (ms, default 60)"
+    )
+    parser.add_argument(
+        "--stabilization-s",
+        type=non_negative_float,
+        default=DEMO_STABILIZATION_S,
+        help="scale-down stabilization window (s; an operator's default is 120, the demo "
+        f"uses {DEMO_STABILIZATION_S:g} so the fall fits the run)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO_ROOT / "results" / "demo_status.json",
+        help="where the final VllmDeployment status goes (default results/demo_status.json)",
+    )
     parser.add_argument(
         "--engine-log",
         type=Path,
@@ -70,26 +139,60 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def demo_traffic(trace: Path | None, duration_s: float, rate_scale: float) -> Traffic:
-    """The requests to replay, clipped to what the tiny CPU engine can hold."""
-    path = trace if trace is not None else (DEFAULT_TRACE if DEFAULT_TRACE.exists() else None)
-    if path is not None:
-        traffic = load_trace(path).scaled(rate_scale=rate_scale, duration_s=duration_s)
-    else:
-        traffic = synthetic(
-            "bursts",
-            duration_s=duration_s,
-            base_rps=2.0 * rate_scale,
-            mean_prompt=400.0,
-            mean_output=80.0,
+def _phases(text: str) -> tuple[float, float, float]:
+    parts = text.split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected three lengths > 0 in seconds, CALM,OVERLOAD,CALM; got {text!r}"
         )
+    return (values[0], values[1], values[2])
+
+
+def demo_traffic(args: argparse.Namespace) -> Traffic:
+    """The requests to replay, clipped to what the tiny CPU engine can hold.
+
+    Raises :class:`InputError` for a trace that cannot be read.
+    """
+    if args.trace is not None:
+        try:
+            base = load_trace(args.trace)
+        except TraceError as error:
+            raise InputError(f"--trace {error}") from None
+        traffic = base.scaled(rate_scale=args.rate_scale, duration_s=args.duration_s or 120.0)
+    else:
+        calm, overload, after = args.phases_s
+        traffic = phased(
+            [
+                (calm, args.calm_rps * args.rate_scale),
+                (overload, args.overload_rps * args.rate_scale),
+                (after, args.calm_rps * args.rate_scale),
+            ],
+            mean_prompt=DEMO_PROMPT_TOKENS,
+            mean_output=DEMO_OUTPUT_TOKENS,
+            name="calm / overload / calm",
+        )
+        if args.duration_s is not None:
+            traffic = traffic.scaled(duration_s=args.duration_s)
+    if len(traffic) == 0:
+        raise InputError("no requests to replay; expected a longer --duration-s or a busier trace")
     traffic.prompt_tokens[:] = traffic.prompt_tokens.clip(8, MAX_PROMPT_TOKENS)
     traffic.output_tokens[:] = traffic.output_tokens.clip(1, MAX_OUTPUT_TOKENS)
     return traffic
 
 
-def demo_spec(fpm_port: int, ttft_ms: float, itl_ms: float, refresh_s: float) -> VllmDeploymentSpec:
-    """The ``VllmDeployment`` spec the local engine would have: advisory, CPU, its limits."""
+def demo_spec(
+    fpm_port: int,
+    ttft_ms: float,
+    itl_ms: float,
+    refresh_s: float,
+    stabilization_s: float = DEMO_STABILIZATION_S,
+) -> VllmDeploymentSpec:
+    """The ``VllmDeployment`` spec the local engine would have: advisory, CPU, its limits,
+    and the demo's shorter scale-down timings."""
     return parse_spec(
         {
             "model": "tiny-random-llama (built locally)",
@@ -107,8 +210,13 @@ def demo_spec(fpm_port: int, ttft_ms: float, itl_ms: float, refresh_s: float) ->
                 "minReplicas": 1,
                 "maxReplicas": 8,
                 "intervalSeconds": max(1.0, refresh_s),
-                "startupSeconds": 30,
+                "startupSeconds": DEMO_STARTUP_S,
                 "slo": {"ttftMs": ttft_ms, "itlMs": itl_ms},
+                "scaleDown": {
+                    "stabilizationWindowSeconds": stabilization_s,
+                    "initialHoldSeconds": DEMO_INITIAL_HOLD_S,
+                },
+                "bursts": {"memorySeconds": DEMO_BURST_MEMORY_S},
             },
         }
     )
@@ -119,8 +227,8 @@ class DemoOperator:
 
     :meth:`pod_ready` is the pod event a kubelet's Ready report would cause;
     :meth:`status` is one decision round and returns the status the operator
-    would write (the child Deployment has one replica; advisory mode never
-    changes that).
+    would write. The planner runs in advisory mode (nothing real is scaled) but
+    its recommendation becomes the child Deployment's count, as in auto mode.
     """
 
     def __init__(self, spec: VllmDeploymentSpec, pod_name: str, pod_ip: str = POD_IP) -> None:
@@ -128,6 +236,7 @@ class DemoOperator:
         self.pod_name = pod_name
         self.pod_ip = pod_ip
         self.created_at = time.time()
+        self.replicas = spec.replicas  # the child Deployment's count, as the operator sets it
         self.autoscaler = DeploymentAutoscaler(NAME, spec)
         self._previous_conditions: list[dict[str, Any]] = []
         # The pod exists from the start; it is "starting" until the engine is ready.
@@ -142,8 +251,14 @@ class DemoOperator:
         self._observe(ready=True)
 
     def status(self) -> dict[str, Any]:
-        """Decide once; the ``VllmDeployment`` status that round would write."""
-        result = self.autoscaler.decide(current_replicas=self.spec.replicas)
+        """Decide once; the ``VllmDeployment`` status that round would write.
+
+        The recommendation is followed as ``auto`` mode would: the child
+        Deployment's count becomes the desired one. Only the local engine is real,
+        so the replicas added that way stay "starting" (capacity the planner sees
+        coming), and a scale-down removes them again after the stabilization window.
+        """
+        result = self.autoscaler.decide(current_replicas=self.replicas)
         snapshot = result.cost_model_snapshot
         quality = snapshot.get("quality") or {}
         now = time.time()
@@ -161,14 +276,17 @@ class DemoOperator:
         )
         self._previous_conditions = conditions
         decision = result.decision
+        replicas = self.replicas
+        if decision is not None:
+            self.replicas = decision.desired_replicas
         return build_status(
             now_wall=now,
             generation=1,
             selector=f"stepscale.io/vllmdeployment={NAME}",
             mode="advisory",
-            replicas=self.spec.replicas,
+            replicas=replicas,
             ready_replicas=result.ready,
-            desired_replicas=decision.desired_replicas if decision else self.spec.replicas,
+            desired_replicas=decision.desired_replicas if decision else replicas,
             conditions=conditions,
             cost_model_snapshot=snapshot,
             load=result.load,
@@ -233,6 +351,19 @@ def detail_lines(status: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def latency_lines(entry: Round, slo: SloTargets) -> list[str]:
+    """Predicted (the model, at the running replicas) and measured (the demo's own
+    requests) p99 TTFT and ITL side by side, with the SLO."""
+    m = entry.measured
+    return [
+        f"  latency p99          TTFT      ITL   (SLO {slo.ttft_ms:g} / {slo.itl_ms:g} ms)",
+        f"    predicted     {_ms(entry.predicted_ttft_ms):>9}{_ms(entry.predicted_itl_ms):>9}"
+        "   the model, at the ready replicas and the planned load",
+        f"    measured      {_ms(m.ttft_p99_ms):>9}{_ms(m.itl_p99_ms):>9}"
+        f"   client side, {m.requests} requests finished in the last {MEASURE_WINDOW_S:g} s",
+    ]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -240,39 +371,43 @@ def _free_port() -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Run the embedded default; returns the exit status."""
-    traffic = demo_traffic(args.trace, args.duration_s, args.rate_scale)
+    """Run the embedded default; returns the exit status (bad input: :class:`InputError`)."""
+    traffic = demo_traffic(args)
     schedule = [
         (float(t), int(p), int(o))
         for t, p, o in zip(
             traffic.arrival_s, traffic.prompt_tokens, traffic.output_tokens, strict=True
         )
     ]
+    slo = SloTargets(args.ttft_ms, args.itl_ms)
     port = _free_port()
     engine = LocalEngine(fpm_port=port)
-    operator = DemoOperator(
-        demo_spec(port, args.ttft_ms, args.itl_ms, args.refresh_s), engine.worker_id
-    )
-    print(
-        f"stepscale demo: {len(schedule)} requests from {traffic.name} over "
-        f"{args.duration_s:.0f}s; SLO TTFT {args.ttft_ms:.0f} ms, ITL {args.itl_ms:.0f} ms"
-    )
-    print("starting a vLLM CPU engine with the Stepscale plugin (about 20 s)...", flush=True)
+    spec = demo_spec(port, args.ttft_ms, args.itl_ms, args.refresh_s, args.stabilization_s)
+    operator = DemoOperator(spec, engine.worker_id)
+    print(_introduction(traffic, args), flush=True)
     log_file = args.engine_log.open("w") if args.engine_log else None
     engine.start(schedule, log_file)
     status: dict[str, Any] = {}
+    record = DemoRecord()
     try:
+        began = time.monotonic()
         engine.wait_ready()
+        print(f"engine ready after {time.monotonic() - began:.0f} s; replaying", flush=True)
         operator.pod_ready()
         time.sleep(1.5)  # the idle engine heartbeats: the subscription is live
         engine.go()
         started = time.monotonic()
         while engine.running():
             time.sleep(args.refresh_s)
+            now = time.monotonic() - started
             status = operator.status()
-            print("\n" + kubectl_table(status, NAME, time.monotonic() - started))
-            print("\n".join(detail_lines(status)), flush=True)
-        status = operator.status()  # the engine is gone: its stream goes missing
+            measured = MeasuredLatency.of(engine.finished_between(now - MEASURE_WINDOW_S, now))
+            entry = record.add(now, status, measured)
+            print("\n" + kubectl_table(status, NAME, now))
+            print("\n".join(detail_lines(status) + latency_lines(entry, slo)), flush=True)
+            back = entry.desired <= 1 and status.get("replicas") == 1
+            if engine.done() and (back or now > traffic.duration_s + MAX_WIND_DOWN_S):
+                break
     except KeyboardInterrupt:
         print("\ninterrupted")
     finally:
@@ -280,17 +415,48 @@ def run_demo(args: argparse.Namespace) -> int:
         operator.close()
         if log_file is not None:
             log_file.close()
+    print("\n".join(summary_lines(record, engine.finished, slo, status, running_replicas=1)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(status, indent=2))
-    print(f"\nfinal status (what the VllmDeployment would show) written to {args.out}")
+    print(f"\nthe last status (what the VllmDeployment showed) is in {args.out}")
     return 0
+
+
+def _introduction(traffic: Traffic, args: argparse.Namespace) -> str:
+    """What the demo will do, and the settings it shortens, before it starts."""
+    if args.trace is None:
+        calm, overload, after = args.phases_s
+        load = (
+            f"{calm:g} s calm at {args.calm_rps * args.rate_scale:g} req/s, "
+            f"{overload:g} s overload at {args.overload_rps * args.rate_scale:g} req/s, "
+            f"{after:g} s calm"
+        )
+    else:
+        load = f"{traffic.name} x{args.rate_scale:g}"
+    return "\n".join(
+        [
+            f"stepscale demo: {len(traffic)} requests ({load}); SLO TTFT {args.ttft_ms:g} ms, "
+            f"ITL {args.itl_ms:g} ms",
+            "  READY is the one real vLLM CPU engine; DESIRED is the operator core's "
+            "recommendation, and REPLICAS follows it as in auto mode, but the replicas "
+            "it adds are not real (they stay starting)",
+            f"  demo timings: scale-down stabilization {args.stabilization_s:g} s, initial hold "
+            f"{DEMO_INITIAL_HOLD_S:g} s, burst memory {DEMO_BURST_MEMORY_S:g} s, pod start-up "
+            f"{DEMO_STARTUP_S:g} s (operator defaults: 120, 300, 900, 120)",
+            "  TTFT/ITL columns: the model's predicted p99 at the running replicas",
+            "starting a vLLM CPU engine with the Stepscale plugin (30-100 s)...",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m stepscale_operator.demo``."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = OneLineParser(prog="stepscale demo", description=(__doc__ or "").splitlines()[0])
     add_demo_arguments(parser)
-    return run_demo(parser.parse_args(argv))
+    try:
+        return run_demo(parser.parse_args(argv))
+    except InputError as error:
+        return report("stepscale demo", error)
 
 
 if __name__ == "__main__":

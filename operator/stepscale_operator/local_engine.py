@@ -4,7 +4,10 @@ The embedded default of ``stepscale demo``: one engine stands in for one pod.
 The child builds a tiny random Llama (no downloads), starts vLLM in-process
 with the Stepscale plugin enabled through the environment (exactly as in a pod),
 waits for ``go`` on stdin, then submits each request of the schedule at its
-arrival time and steps the engine until every request has finished.
+arrival time and steps the engine until every request has finished. Like a
+client, it times each request: a ``REQ`` line on stdout per finished request
+carries its arrival, TTFT and mean ITL (:class:`ClientLatency`), which the
+parent collects on a reader thread.
 
 Run as a module for the child side::
 
@@ -19,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +39,30 @@ MAX_PROMPT_TOKENS = 1536
 MAX_OUTPUT_TOKENS = 256
 
 
+@dataclass(frozen=True)
+class ClientLatency:
+    """One finished request as its client saw it (seconds from ``go``, milliseconds)."""
+
+    arrival_s: float
+    finished_s: float
+    ttft_ms: float
+    itl_ms: float  # mean inter-token latency; 0 for a one-token output
+
+    def line(self) -> str:
+        """The child's ``REQ`` line for this request."""
+        return (
+            f"REQ {self.arrival_s:.3f} {self.finished_s:.3f} {self.ttft_ms:.1f} {self.itl_ms:.2f}"
+        )
+
+    @classmethod
+    def parse(cls, line: str) -> ClientLatency | None:
+        """The request of a ``REQ`` line, None for any other line."""
+        parts = line.split()
+        if len(parts) != 5 or parts[0] != "REQ":
+            return None
+        return cls(*(float(p) for p in parts[1:]))
+
+
 @dataclass
 class LocalEngine:
     """Parent-side handle of the child engine process."""
@@ -43,6 +71,9 @@ class LocalEngine:
     worker_id: str = "local-engine-0"
     proc: subprocess.Popen[str] | None = None
     log: list[str] = field(default_factory=list)
+    finished: list[ClientLatency] = field(default_factory=list)
+    _reader: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self, schedule: list[tuple[float, int, int]], log_file: IO[str] | None) -> None:
         """Start the child with ``(arrival_s, prompt_tokens, output_tokens)`` requests."""
@@ -80,10 +111,31 @@ class LocalEngine:
         raise RuntimeError("local engine exited before it was ready:\n" + "".join(self.log[-20:]))
 
     def go(self) -> None:
-        """Start replaying the schedule."""
+        """Start replaying the schedule; collect each finished request's latencies."""
         assert self.proc is not None and self.proc.stdin is not None
+        self._reader = threading.Thread(target=self._read, name="local-engine-out", daemon=True)
+        self._reader.start()
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            request = ClientLatency.parse(line)
+            if request is None:
+                self.log.append(line)
+                continue
+            with self._lock:
+                self.finished.append(request)
+
+    def finished_between(self, start_s: float, end_s: float) -> list[ClientLatency]:
+        """The requests that finished in ``[start_s, end_s)`` (seconds from ``go``)."""
+        with self._lock:
+            return [r for r in self.finished if start_s <= r.finished_s < end_s]
+
+    def done(self) -> bool:
+        """True once every request of the schedule has finished."""
+        return any(line.strip() == "DONE" for line in self.log[-5:])
 
     def running(self) -> bool:
         """True while the child is alive."""
@@ -109,31 +161,78 @@ def _replay(schedule_path: str) -> int:
 
     schedule = [tuple(r) for r in json.loads(Path(schedule_path).read_text())]
     model = build_tiny_llama(Path(tempfile.gettempdir()) / "stepscale-tiny-llama")
-    llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-              seed=0, **ENGINE_ARGS)
+    llm = LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        **ENGINE_ARGS,
+    )
     engine = llm.llm_engine
+    _warm_up(engine, SamplingParams)
     print("READY", flush=True)
     sys.stdin.readline()
     rng = random.Random(0)
     start = time.monotonic()
     index = 0
+    arrived: dict[str, float] = {}
+    first_token: dict[str, float] = {}
     while index < len(schedule) or engine.has_unfinished_requests():
         now = time.monotonic() - start
         while index < len(schedule) and schedule[index][0] <= now:
-            _, prompt_len, output_len = schedule[index]
+            arrival, prompt_len, output_len = schedule[index]
             prompt = [rng.randint(1, 1000) for _ in range(int(prompt_len))]
             engine.add_request(
                 f"req-{index}",
                 {"prompt_token_ids": prompt},
                 SamplingParams(max_tokens=int(output_len), ignore_eos=True, temperature=0.0),
             )
+            # The client's clock starts at the scheduled arrival: a request the
+            # loop could only add late (a long step) waited that long too.
+            arrived[f"req-{index}"] = float(arrival)
             index += 1
         if engine.has_unfinished_requests():
-            engine.step()
+            outputs = engine.step()
+            _time_outputs(outputs, time.monotonic() - start, arrived, first_token)
         else:
             time.sleep(0.005)
     print("DONE", flush=True)
+    # Stay up, idle and heartbeating, until the parent is done watching: a stream
+    # that goes stale would make the last decisions holds on missing data.
+    sys.stdin.readline()
     return 0
+
+
+def _warm_up(engine: Any, sampling_params: Any) -> None:
+    """Run a few requests of varied lengths before the replay: the CPU backend's
+    first passes of each batch shape are several times slower, which would count
+    against the SLO in the calm phase and against the model's first fit."""
+    for k, prompt_len in enumerate((64, 200, 400, 700, 1000, 1400, 300, 90)):
+        engine.add_request(
+            f"warm-{k}",
+            {"prompt_token_ids": [1 + (i * 7 + k) % 999 for i in range(prompt_len)]},
+            sampling_params(max_tokens=24, ignore_eos=True, temperature=0.0),
+        )
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _time_outputs(
+    outputs: list[Any], now: float, arrived: dict[str, float], first_token: dict[str, float]
+) -> None:
+    """Note first tokens; print a ``REQ`` line for each request that finished."""
+    for out in outputs:
+        rid = out.request_id
+        tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+        if tokens and rid not in first_token:
+            first_token[rid] = now
+        if out.finished and rid in arrived:
+            first = first_token.pop(rid, now)
+            arrival = arrived.pop(rid)
+            itl_ms = (now - first) * 1e3 / (tokens - 1) if tokens > 1 else 0.0
+            latency = ClientLatency(arrival, now, (first - arrival) * 1e3, itl_ms)
+            print(latency.line(), flush=True)
 
 
 def main() -> int:

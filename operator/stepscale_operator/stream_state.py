@@ -4,7 +4,7 @@ A stream is one publisher, identified by ``(worker_id, dp_rank)`` from the paylo
 Pure data structures: no sockets, no clocks (callers pass ``now``), so the same
 code runs in the subscriber, the simulator and the tests.
 
-Sequence rules (``shared/spec/fpm-wire-v1.md``): a publisher numbers every message,
+Sequence rules (``docs/fpm-wire-v1.md``): a publisher numbers every message,
 heartbeats included, from 0 upwards by one. So
 
 * ``sequence > last + 1`` means ``sequence - last - 1`` messages were lost;

@@ -4,7 +4,7 @@ Pure: no sockets and no clock of its own (callers pass ``now``, in seconds of an
 monotonic clock), so the table logic is unit-tested without timing.
 
 A stream is one publisher, keyed by ``(worker_id, dp_rank)`` from the payload.
-Sequence rules from ``shared/spec/fpm-wire-v1.md``: a publisher numbers every
+Sequence rules from ``docs/fpm-wire-v1.md``: a publisher numbers every
 message, heartbeats included, by one from 0. A jump forward is lost messages (a
 gap); a sequence that goes back means the publisher restarted; the same sequence
 again is a duplicate (the same publisher reached through two endpoints, or two

@@ -60,15 +60,26 @@ def run_operator_command(args: argparse.Namespace) -> int:
         peering_priority=args.priority if args.priority is not None else default_priority(),
         standalone=args.standalone,
     )
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(
-            run_operator(
-                namespaces=args.namespace,
-                config=config,
-                metrics_port=args.metrics_port or None,
-                liveness_endpoint=(
-                    f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
-                ),
+    from kubernetes.config import ConfigException
+
+    from stepscale_operator.cli_input import InputError
+
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(
+                run_operator(
+                    namespaces=args.namespace,
+                    config=config,
+                    metrics_port=args.metrics_port or None,
+                    liveness_endpoint=(
+                        f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+                    ),
+                )
             )
-        )
+    except ConfigException as error:
+        # No cluster to talk to is a set-up mistake, not a crash: one line, status 2.
+        raise InputError(
+            f"no Kubernetes configuration ({error}); expected a kubeconfig (KUBECONFIG or "
+            "~/.kube/config) or to run in a pod with a service account"
+        ) from None
     return 0

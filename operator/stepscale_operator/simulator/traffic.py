@@ -12,10 +12,11 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import numpy.typing as npt
@@ -110,9 +111,17 @@ class Traffic:
         return np.arange(n, dtype=np.float64) * bucket_s, counts.astype(np.float64) / bucket_s
 
 
-def _from_lists(times: list[float], prompt: list[int], output: list[int], name: str) -> Traffic:
+class TraceError(ValueError):
+    """A trace that cannot be read; the message names the file, the line and what is
+    expected."""
+
+
+def _from_lists(
+    times: list[float], prompt: list[int], output: list[int], path: str | Path
+) -> Traffic:
+    name = Path(path).stem
     if not times:
-        raise ValueError(f"{name}: no requests")
+        raise TraceError(f"{path}: no requests; expected at least one row")
     t = np.asarray(times, dtype=np.float64)
     order = np.argsort(t, kind="stable")
     t = t[order] - t[order][0]
@@ -125,27 +134,71 @@ def _from_lists(times: list[float], prompt: list[int], output: list[int], name: 
     )
 
 
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
+
+
+def _number(value: object, what: str, where: str, whole: bool = True) -> float:
+    """``value`` as a number >= 0 (whole unless told), else a :class:`TraceError`
+    naming ``where``."""
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < 0 or (whole and number != int(number)):
+        kind = "a whole number" if whole else "a number"
+        raise TraceError(f"{where}: {what} is {value!r}; expected {kind} >= 0")
+    return number
+
+
+def _azure_time(stamp: str, where: str) -> float:
+    stamp = stamp.strip()
+    # Timestamps carry 7 fractional digits; datetime takes at most 6.
+    if "." in stamp:
+        head, frac = stamp.split(".", 1)
+        stamp = f"{head}.{frac[:6]}"
+    try:
+        parsed = datetime.fromisoformat(stamp)
+    except ValueError:
+        raise TraceError(
+            f"{where}: TIMESTAMP is {stamp!r}; expected a date and time like "
+            "2023-11-16 18:15:46.6805900"
+        ) from None
+    if parsed.tzinfo is None:
+        # The trace's stamps are UTC; read as local time they would jump
+        # by an hour across a daylight-saving change.
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
+
+
 def load_azure_csv(path: str | Path) -> Traffic:
-    """Azure LLM inference trace (2023): ``TIMESTAMP,ContextTokens,GeneratedTokens``."""
+    """Azure LLM inference trace (2023): ``TIMESTAMP,ContextTokens,GeneratedTokens``.
+
+    Raises :class:`TraceError` for a missing column (named) or a bad value (with
+    its line number).
+    """
     times: list[float] = []
     prompt: list[int] = []
     output: list[int] = []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            # Timestamps carry 7 fractional digits; datetime takes at most 6.
-            stamp = row["TIMESTAMP"].strip()
-            if "." in stamp:
-                head, frac = stamp.split(".", 1)
-                stamp = f"{head}.{frac[:6]}"
-            parsed = datetime.fromisoformat(stamp)
-            if parsed.tzinfo is None:
-                # The trace's stamps are UTC; read as local time they would jump
-                # by an hour across a daylight-saving change.
-                parsed = parsed.replace(tzinfo=UTC)
-            times.append(parsed.timestamp())
-            prompt.append(int(row["ContextTokens"]))
-            output.append(int(row["GeneratedTokens"]))
-    return _from_lists(times, prompt, output, Path(path).stem)
+    with _open_trace(path) as f:
+        reader = csv.DictReader(f)
+        found = [name.strip() for name in reader.fieldnames or ()]
+        missing = [c for c in AZURE_COLUMNS if c not in found]
+        if missing:
+            raise TraceError(
+                f"{path}: missing column{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(missing)}; expected a CSV header with {','.join(AZURE_COLUMNS)}"
+                f" (found {','.join(found) or 'no header'})"
+            )
+        reader.fieldnames = found
+        for row in reader:
+            where = f"{path}, line {reader.line_num}"
+            if any(row.get(c) is None for c in AZURE_COLUMNS):
+                raise TraceError(f"{where}: expected {len(AZURE_COLUMNS)} columns")
+            times.append(_azure_time(row["TIMESTAMP"], where))
+            prompt.append(int(_number(row["ContextTokens"], "ContextTokens", where)))
+            output.append(int(_number(row["GeneratedTokens"], "GeneratedTokens", where)))
+    return _from_lists(times, prompt, output, path)
 
 
 def load_mooncake_jsonl(path: str | Path) -> Traffic:
@@ -153,25 +206,46 @@ def load_mooncake_jsonl(path: str | Path) -> Traffic:
     times: list[float] = []
     prompt: list[int] = []
     output: list[int] = []
-    with open(path) as f:
-        for line in f:
+    with _open_trace(path) as f:
+        for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
-            times.append(float(rec["timestamp"]) / 1000.0)
-            prompt.append(int(rec["input_length"]))
-            output.append(int(rec["output_length"]))
-    return _from_lists(times, prompt, output, Path(path).stem)
+            where = f"{path}, line {number}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TraceError(f"{where}: not JSON ({error.msg})") from None
+            missing = [k for k in MOONCAKE_FIELDS if not isinstance(rec, dict) or k not in rec]
+            if missing:
+                raise TraceError(
+                    f"{where}: missing {', '.join(missing)}; expected an object with "
+                    f"{', '.join(MOONCAKE_FIELDS)}"
+                )
+            times.append(_number(rec["timestamp"], "timestamp", where, whole=False) / 1000.0)
+            prompt.append(int(_number(rec["input_length"], "input_length", where)))
+            output.append(int(_number(rec["output_length"], "output_length", where)))
+    return _from_lists(times, prompt, output, path)
+
+
+def _open_trace(path: str | Path) -> TextIO:
+    try:
+        return open(path, newline="")
+    except OSError as error:
+        raise TraceError(f"{path}: {error.strerror or error}") from None
 
 
 def load_trace(path: str | Path) -> Traffic:
-    """Load a trace by its extension: ``.csv`` (Azure) or ``.jsonl`` (Mooncake)."""
+    """Load a trace by its extension: ``.csv`` (Azure) or ``.jsonl`` (Mooncake).
+
+    Raises :class:`TraceError` (a ``ValueError``) for anything that keeps it from
+    being read, with a message naming the file and what is expected.
+    """
     suffix = Path(path).suffix.lower()
     if suffix == ".csv":
         return load_azure_csv(path)
     if suffix in (".jsonl", ".json"):
         return load_mooncake_jsonl(path)
-    raise ValueError(f"unknown trace format {suffix!r}: expected .csv or .jsonl")
+    raise TraceError(f"{path}: unknown trace format {suffix!r}; expected .csv or .jsonl")
 
 
 def rate_function(
@@ -223,6 +297,36 @@ def synthetic(
     conversation trace (prompt mean ~1150, output mean ~210).
     """
     rate = rate_function(kind, base_rps, duration_s, burst_period_s)
+    return _poisson(rate, duration_s, mean_prompt, mean_output, seed, f"synthetic-{kind}")
+
+
+def phased(
+    phases: Sequence[tuple[float, float]],
+    mean_prompt: float = 1100.0,
+    mean_output: float = 200.0,
+    seed: int = 0,
+    name: str = "phased",
+) -> Traffic:
+    """Poisson arrivals at a constant rate per phase: ``(seconds, requests per second)``
+    one after the other (a calm, an overload and a calm phase, say)."""
+    ends = np.cumsum([max(d, 0.0) for d, _ in phases])
+    rates = [r for _, r in phases]
+
+    def rate(t: float) -> float:
+        k = int(np.searchsorted(ends, t, side="right"))
+        return rates[min(k, len(rates) - 1)]
+
+    return _poisson(rate, float(ends[-1]), mean_prompt, mean_output, seed, name)
+
+
+def _poisson(
+    rate: Callable[[float], float],
+    duration_s: float,
+    mean_prompt: float,
+    mean_output: float,
+    seed: int,
+    name: str,
+) -> Traffic:
     rng = np.random.default_rng(seed)
     peak = max(rate(t) for t in np.linspace(0.0, duration_s, 2001)) * 1.05
     # Thinning: candidates at the peak rate, each kept with probability rate/peak.
@@ -238,5 +342,5 @@ def synthetic(
         np.clip(prompt, 16, 16_000).astype(np.int64),
         np.clip(output, 1, 2_000).astype(np.int64),
         duration_s,
-        f"synthetic-{kind}",
+        name,
     )
