@@ -19,7 +19,6 @@ import zmq
 from prometheus_client import generate_latest
 
 from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
-from stepscale_operator.controller.handlers import ControllerConfig
 from stepscale_operator.controller.status import rfc3339
 from tests.operator.conftest import (
     DEPLOY_RESOURCE,
@@ -587,10 +586,9 @@ async def test_peering_standby_and_pause(api: ApiServerEmulator, cluster: FakeCl
         },
     )
     await peer(api, "replica-a", 1000)
-    config = ControllerConfig(
-        tick_s=0.25, pod_resync_s=1.0, peering_name="stepscale", peering_priority=100
-    )
-    async with operator_running(api, config, identity="replica-b") as standby:
+    args = ["--peering", "stepscale", "--priority", "100", "--tick-seconds", "0.25"]
+    args += ["--pod-resync-seconds", "1", "--metrics-port", "0", "--health-port", "0"]
+    async with operator_running(api, args, identity="replica-b") as standby:
         await create(api, vd_path(), vd_body("chat"))
         await eventually(
             lambda: (

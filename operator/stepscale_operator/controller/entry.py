@@ -39,13 +39,30 @@ def default_priority() -> int:
     return random.SystemRandom().randint(1, 1_000_000)
 
 
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Kopf's credentials: those the ``kubernetes`` client finds (see
+    :func:`~.kube_api.api_client_from_environment`), the pod's service account in a
+    cluster, else the kubeconfig.
+
+    The operator runs on its own registry, which has none of the login handlers
+    kopf puts on its default one; without this one kopf finds no credentials.
+    """
+    return kopf.login_via_client(**kwargs)
+
+
+def controller_state_from_environment() -> ControllerState:
+    """What the handlers share, with an API client logged in from the environment."""
+    return ControllerState(
+        kube=KubernetesApi(api_client_from_environment()), metrics=OperatorMetrics()
+    )
+
+
 async def run_operator(
     *,
     namespaces: Sequence[str] = (),
     config: ControllerConfig | None = None,
     metrics_port: int | None = 9090,
     liveness_endpoint: str | None = "http://0.0.0.0:8080/healthz",
-    kube_host: str | None = None,
     stop_flag: asyncio.Event | None = None,
     ready_flag: asyncio.Event | None = None,
     state: ControllerState | None = None,
@@ -53,28 +70,19 @@ async def run_operator(
 ) -> None:
     """Run the operator until ``stop_flag`` is set (or forever).
 
-    ``namespaces`` empty means cluster-wide. ``kube_host`` points both kopf and the
-    child-object client at a given API server without credentials (tests);
-    otherwise both use the in-cluster service account or the kubeconfig.
-    ``state`` lets a caller (tests) look at the autoscalers while it runs;
-    ``identity`` names this operator among its peers (default: kopf's, from
-    host and process).
+    ``namespaces`` empty means cluster-wide. Kopf and the child-object client
+    both log in from the environment (in-cluster service account, else the
+    kubeconfig). ``state`` (default :func:`controller_state_from_environment`)
+    lets a caller (tests) look at the autoscalers while it runs; ``identity``
+    names this operator among its peers (default: kopf's, from host and process).
     """
     config = config or ControllerConfig(peering_priority=default_priority())
     if state is None:
-        state = ControllerState(
-            kube=KubernetesApi(api_client_from_environment(kube_host)), metrics=OperatorMetrics()
-        )
+        state = controller_state_from_environment()
     if metrics_port is not None:
         start_http_server(metrics_port, registry=state.metrics.registry)
     registry = build_registry(state, config)
-    if kube_host is not None:
-        server = kube_host
-
-        @kopf.on.login(registry=registry)
-        def login(**_: Any) -> kopf.ConnectionInfo:
-            return kopf.ConnectionInfo(server=server, insecure=True)
-
+    kopf.on.login(registry=registry)(login)
     try:
         await kopf.operator(
             registry=registry,

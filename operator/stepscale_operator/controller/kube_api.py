@@ -17,7 +17,6 @@ needs, and the chart's ClusterRole grants that and nothing else.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from kubernetes import client, config
@@ -40,15 +39,18 @@ CLIENT_CALLS: frozenset[tuple[str, str, str]] = frozenset(
 )
 
 
-def api_client_from_environment(host: str | None = None) -> client.ApiClient:
-    """An API client: ``host`` if given (tests), else in-cluster, else the kubeconfig."""
-    if host is not None:
-        configuration = client.Configuration()
-        configuration.host = host
-        return client.ApiClient(configuration)
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+def api_client_from_environment() -> client.ApiClient:
+    """An API client with the credentials the environment gives.
+
+    In a pod (``KUBERNETES_SERVICE_HOST`` set and a service-account token mounted)
+    the service account, else the kubeconfig (``KUBECONFIG`` or ``~/.kube/config``):
+    the same order as :func:`kopf.login_via_client`, which logs kopf in
+    (:func:`~.entry.login`), so that kopf and this client act as one user.
+    Raises :class:`kubernetes.config.ConfigException` when there is neither.
+    """
+    try:
         config.load_incluster_config()
-    else:
+    except config.ConfigException:
         config.load_kube_config()
     return client.ApiClient()
 
