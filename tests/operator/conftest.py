@@ -32,9 +32,13 @@ What kmock (0.8) does not emulate, and what these fixtures do about it:
   and writes the Deployment's ``status.replicas``/``readyReplicas``;
 * no RBAC and no authentication: :attr:`ApiServerEmulator.calls` records what the
   operator asked for, and the ``api`` fixture checks it against the permissions the
-  chart grants; :attr:`ApiServerEmulator.authorizations` records the credentials
-  the operator presented, and the fixture checks that every request carried the
-  token of the kubeconfig (or service account) it was started with;
+  chart grants in the mode the test ran (:attr:`ApiServerEmulator.namespaced`);
+  with :attr:`ApiServerEmulator.rbac_namespaces` set, the emulator answers 403, as
+  the chart's Roles would, to every operator request outside those namespaces or
+  not granted, and records it in :attr:`ApiServerEmulator.forbidden`;
+  :attr:`ApiServerEmulator.authorizations` records the credentials the operator
+  presented, and the fixture checks that every request carried the token of the
+  kubeconfig (or service account) it was started with;
 * plain HTTP only: the in-cluster tests put a TLS proxy with a CA made in the test
   in front of it (:mod:`tests.operator.tls_proxy`).
 
@@ -127,6 +131,13 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     """
 
     refuse: Callable[[str, Any], str | None] | None = None
+    # Seconds each read of a Deployment by the operator takes (a slow API server).
+    deployment_read_delay_s: float = 0.0
+    # Which RBAC the operator runs under: namespaced Roles (in rbac_namespaces, which
+    # turns 403s on) or the cluster-wide ClusterRole.
+    namespaced: bool = False
+    rbac_namespaces: frozenset[str] = frozenset()
+    forbidden: list[tuple[Call, str | None]]
     calls: set[Call]
     authorizations: set[str]
 
@@ -134,6 +145,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         if not hasattr(self, "calls"):
             self.calls = set()
             self.authorizations = set()
+            self.forbidden = []
         user_agent = str(request.headers.get("User-Agent", ""))
         call = request_call(request)
         if not user_agent.startswith("kmock/"):
@@ -143,6 +155,16 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             self.authorizations.add(f"{scheme.lower()} {credentials}")
             if call is not None:
                 self.calls.add(call)
+                if self.rbac_namespaces and (
+                    call not in required_calls(self.namespaced)
+                    or request.namespace not in self.rbac_namespaces
+                ):
+                    self.forbidden.append((call, request.namespace))
+                    raise kmock.KubernetesError(
+                        status=403, reason="Forbidden", message=f"{call} is not granted"
+                    )
+            if call == ("apps", "deployments", "get") and self.deployment_read_delay_s:
+                await asyncio.sleep(self.deployment_read_delay_s)
         if (
             self.refuse is not None
             and request.resource is not None
@@ -221,6 +243,9 @@ def declare_resources(api: kmock.KubernetesEmulator) -> None:
     api.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
         kind="ClusterKopfPeering", namespaced=False, verbs=verbs
     )
+    api.resources["kopf.dev/v1/kopfpeerings"] = kmock.ResourceInfo(
+        kind="KopfPeering", namespaced=True, verbs=verbs
+    )
     # kopf waits for namespaces to be discoverable even when it runs cluster-wide.
     api.resources["v1/namespaces"] = kmock.ResourceInfo(
         kind="Namespace", namespaced=False, verbs={"list", "watch", "get"}
@@ -236,9 +261,10 @@ async def api() -> AsyncIterator[ApiServerEmulator]:
         declare_resources(emulator)
         emulator.calls = set()
         emulator.authorizations = set()
+        emulator.forbidden = []
         yield emulator
-    not_granted = emulator.calls - required_calls(namespaced=False)
-    assert not not_granted, f"requests the ClusterRole does not grant: {sorted(not_granted)}"
+    not_granted = emulator.calls - required_calls(namespaced=emulator.namespaced)
+    assert not not_granted, f"requests the chart's RBAC does not grant: {sorted(not_granted)}"
     unauthenticated = emulator.authorizations - {f"bearer {OPERATOR_TOKEN}"}
     assert not unauthenticated, f"requests without the operator's token: {unauthenticated}"
 

@@ -12,7 +12,12 @@ from stepscale_engine.publisher import FpmPublisher
 from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
 from stepscale_operator.controller.discovery import PodView
 from stepscale_operator.controller.metrics import OperatorMetrics
-from stepscale_operator.controller.rounds import EventGate, observe_metrics, scaling_event
+from stepscale_operator.controller.rounds import (
+    EventGate,
+    ScaleBackoff,
+    observe_metrics,
+    scaling_event,
+)
 from stepscale_operator.controller.spec import parse_spec
 from stepscale_operator.planner import Decision
 
@@ -31,6 +36,24 @@ def decision(action: str, current: int, desired: int, apply: bool) -> Decision:
         predicted_current=None,
         predicted_desired=None,
     )
+
+
+def test_scale_backoff_doubles_reports_one_refusal_per_streak_and_ends_on_success() -> None:
+    backoff = ScaleBackoff(max_s=8.0)
+    key = ("ns", "chat")
+    assert backoff.waiting(key, 0.0) is None
+    assert backoff.refused(key, 0.0, 1.0, "quota exceeded") is True  # the streak's first
+    assert backoff.waiting(key, 0.5) == "quota exceeded; next attempt in 0 s"
+    assert backoff.waiting(key, 1.0) is None  # waited base_s
+    assert backoff.refused(key, 1.0, 1.0, "quota exceeded") is False  # same streak
+    assert backoff.waiting(key, 2.9) is not None and backoff.waiting(key, 3.0) is None
+    for now in (3.0, 7.0, 15.0):
+        backoff.refused(key, now, 1.0, "quota exceeded")
+    assert backoff.waiting(key, 22.9) is not None  # capped at max_s: 15 + 8
+    assert backoff.waiting(key, 23.0) is None
+    backoff.succeeded(key)
+    assert backoff.waiting(key, 23.0) is None
+    assert backoff.refused(key, 30.0, 1.0, "again") is True  # a new streak
 
 
 def test_event_reasons() -> None:
@@ -208,3 +231,4 @@ def test_learned_bursts_survive_a_restart_and_a_spec_change() -> None:
         assert autoscaler.planner.burst_onsets() == [(3500.0, 7), (4100.0, 8), (4700.0, 7)]
     finally:
         autoscaler.close()
+

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import re
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,9 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
         "-n",
         action="append",
         default=[],
-        help="watch only this namespace (repeatable); default: all namespaces",
+        type=namespace_name,
+        help="watch only this namespace (repeatable, a name, not a pattern); "
+        "default: all namespaces",
     )
     parser.add_argument(
         "--peering", default="stepscale", help="kopf peering name (default stepscale)"
@@ -52,6 +55,16 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
         help="how often each VllmDeployment's pods are listed (deletions a watch missed)",
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+
+def namespace_name(text: str) -> str:
+    """A namespace name; patterns are refused: the chart grants a Role per namespace."""
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", text) or len(text) > 63:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a namespace name (patterns are not supported: the operator's "
+            "permissions are Roles in the namespaces it watches)"
+        )
+    return text
 
 
 def operator_options(args: argparse.Namespace) -> dict[str, Any]:

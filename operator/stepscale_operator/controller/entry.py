@@ -25,7 +25,11 @@ from stepscale_operator.controller.handlers import (
     ControllerState,
     build_registry,
 )
-from stepscale_operator.controller.kube_api import KubernetesApi, api_client_from_environment
+from stepscale_operator.controller.kube_api import (
+    KubernetesApi,
+    api_client_from_environment,
+    client_configuration,
+)
 from stepscale_operator.controller.metrics import OperatorMetrics
 
 log = logging.getLogger(__name__)
@@ -39,15 +43,33 @@ def default_priority() -> int:
     return random.SystemRandom().randint(1, 1_000_000)
 
 
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """Kopf's credentials: those the ``kubernetes`` client finds (see
-    :func:`~.kube_api.api_client_from_environment`), the pod's service account in a
-    cluster, else the kubeconfig.
+def login(**_kwargs: Any) -> kopf.ConnectionInfo:
+    """Kopf's credentials: the same as the child-object client's
+    (:func:`~.kube_api.client_configuration`: the pod's service account in a
+    cluster, else the kubeconfig). Kopf calls it again when the server answers 401
+    (a rotated token).
 
     The operator runs on its own registry, which has none of the login handlers
     kopf puts on its default one; without this one kopf finds no credentials.
     """
-    return kopf.login_via_client(**kwargs)
+    configuration = client_configuration()
+    # The bearer token (from a token file, a kubeconfig token or an exec plugin):
+    # newer clients keep it under "BearerToken", older ones under "authorization".
+    header = configuration.get_api_key_with_prefix(
+        "BearerToken"
+    ) or configuration.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        username=configuration.username or None,
+        password=configuration.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
 
 
 def controller_state_from_environment() -> ControllerState:
@@ -83,6 +105,15 @@ async def run_operator(
         start_http_server(metrics_port, registry=state.metrics.registry)
     registry = build_registry(state, config)
     kopf.on.login(registry=registry)(login)
+    if namespaces:
+
+        @kopf.on.startup(registry=registry)
+        def namespaced_scanning(settings: kopf.OperatorSettings, **_kwargs: Any) -> None:
+            # Limited to named namespaces, kopf would list and watch all namespaces and
+            # CRDs (cluster-scoped) at start; the chart grants Roles in the watched
+            # namespaces only, and 403s there held every handler back for ~55 s.
+            settings.scanning.disabled = True
+
     try:
         await kopf.operator(
             registry=registry,

@@ -64,6 +64,28 @@ _QUANTITY = re.compile(QUANTITY_PATTERN)
 MSG_RESERVED_ENV = (
     "env must not set STEPSCALE_FPM_* variables: the operator sets them from fpm and the pod name"
 )
+# metadata.name: the child Service is named after it (a DNS-1035 label) and the pods'
+# selector label carries it (at most 63 characters). The CRD checks the same.
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_NAME = re.compile(NAME_PATTERN)
+MAX_NAME_LENGTH = 63
+MSG_NAME_LENGTH = (
+    "metadata.name must be at most 63 characters: the Service and the pods' selector "
+    "label are named after it"
+)
+MSG_NAME_LABEL = (
+    "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
+    "with a letter and ending with a letter or digit; no dots): the Service is named after it"
+)
+
+
+def name_problems(name: str) -> list[str]:
+    """What is wrong with a ``VllmDeployment``'s name (the CRD's rules on metadata.name)."""
+    if len(name) > MAX_NAME_LENGTH:
+        return [f"{MSG_NAME_LENGTH} ({name!r} has {len(name)})"]
+    if not _NAME.match(name):
+        return [f"{MSG_NAME_LABEL} (got {name!r})"]
+    return []
 
 
 class SpecError(ValueError):
