@@ -232,3 +232,61 @@ def test_learned_bursts_survive_a_restart_and_a_spec_change() -> None:
     finally:
         autoscaler.close()
 
+
+def test_no_trend_from_a_partly_filled_window_after_start_or_reconfigure() -> None:
+    """A warm restart (a new autoscaler) or a new load window starts with an empty
+    window: until a whole window has data, its trends are withheld (zero, named
+    unavailable), not read off a slope across the empty part (a spurious rise)."""
+    from stepscale_operator.fpm_pipeline import MessageBatch
+
+    raw = {
+        "model": "m",
+        "image": "i",
+        "fpm": {"basePort": 20395},
+        "autoscaling": {"intervalSeconds": 1, "metrics": {"windowSeconds": 3}},
+    }
+    clock = [100.3]  # mid-bucket, as a restart lands
+    autoscaler = DeploymentAutoscaler("ns/chat", parse_spec(raw), clock=lambda: clock[0])
+    counter = 0
+
+    def run_until(end: float) -> None:
+        """Steady decode load: a pass of 16 requests every 10 ms, ingested as it arrives."""
+        nonlocal counter
+        while clock[0] < end:
+            msgs = []
+            for _ in range(10):
+                counter += 1
+                msgs.append(
+                    wire.ForwardPassMetrics(
+                        worker_id="pod-a",
+                        dp_rank=0,
+                        counter_id=counter,
+                        wall_time=0.01,
+                        scheduled_requests=wire.ScheduledRequestMetrics(
+                            num_decode_requests=16, sum_decode_kv_tokens=16000
+                        ),
+                    )
+                )
+            autoscaler._on_batch(MessageBatch.of(msgs))
+            autoscaler.ingest()
+            clock[0] += 0.1
+
+    try:
+        autoscaler.observe_pod(PodView("pod-a", "127.0.0.51", True, False, None))
+        for end in (101.5, 102.5, 103.2):  # the window is still filling
+            run_until(end)
+            load = autoscaler.decide(current_replicas=1).load
+            assert load is not None and load.decode_tokens_per_s > 0
+            assert load.decode_tokens_per_s_trend == 0.0
+            assert "decode_tokens_per_s_trend" in load.unavailable
+        run_until(105.0)  # a whole window (and a bucket) of data: trends come back
+        load = autoscaler.decide(current_replicas=1).load
+        assert load is not None and "decode_tokens_per_s_trend" not in load.unavailable
+        # A new window length rebuilds the window: withheld again until it fills.
+        raw["autoscaling"]["metrics"] = {"windowSeconds": 4}
+        autoscaler.reconfigure(parse_spec(raw))
+        run_until(106.0)
+        load = autoscaler.decide(current_replicas=1).load
+        assert load is not None and "decode_tokens_per_s_trend" in load.unavailable
+    finally:
+        autoscaler.close()
