@@ -328,6 +328,7 @@ def test_example_is_valid_against_the_crd() -> None:
         ({"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, "duplicate"),
         ({"autoscaling": {"mode": "yolo"}}, "is not one of"),
         ({"replicas": -1}, "less than the minimum"),
+        ({"autoscaling": {"startupSeconds": 1e10}}, "greater than the maximum"),
     ],
 )
 def test_the_crd_refuses_what_the_api_server_would(change: dict[str, Any], fragment: str) -> None:

@@ -290,3 +290,36 @@ def test_no_trend_from_a_partly_filled_window_after_start_or_reconfigure() -> No
         assert load is not None and "decode_tokens_per_s_trend" in load.unavailable
     finally:
         autoscaler.close()
+
+
+def test_pods_found_before_the_autoscaler_are_logged_when_subscribed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Pods the watch reported before their VllmDeployment was handled are subscribed
+    when its autoscaler starts, with the same log line as any other subscription."""
+    import logging
+
+    from stepscale_operator.controller.handlers import ControllerState, start_autoscaler
+
+    state = ControllerState(kube=None)  # type: ignore[arg-type]  # no API call here
+    key = ("ns", "chat")
+    pod = {
+        "metadata": {"name": "chat-0"},
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.61",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    state.pending_pods.put(key, "chat-0", pod)
+    spec = parse_spec({"model": "m", "image": "i", "fpm": {"basePort": 20396}})
+    caplog.set_level(logging.INFO, logger="stepscale_operator.controller.handlers")
+    autoscaler = start_autoscaler(state, key, spec, {}, {})  # type: ignore[arg-type]
+    try:
+        assert set(autoscaler.pods.endpoints) == {"tcp://127.0.0.61:20396"}
+        lines = [r.getMessage() for r in caplog.records]
+        assert any(
+            "subscribed to tcp://127.0.0.61:20396" in x and "found at start" in x for x in lines
+        )
+    finally:
+        autoscaler.close()

@@ -420,6 +420,21 @@ def test_names_no_service_or_label_can_carry_are_refused(name: str, fragment: st
         assert name_problems(good) == [] and re.match(NAME_PATTERN, good)
 
 
+def test_every_spec_field_has_a_description_for_kubectl_explain() -> None:
+    missing: list[str] = []
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        for key, sub in (node.get("properties") or {}).items():
+            if not str(sub.get("description", "")).strip():
+                missing.append(f"{path}.{key}")
+            walk(sub, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
+
+    walk(schema()["properties"]["spec"], "spec")
+    assert missing == []
+
+
 def test_crd_spec_defaults_are_the_parser_defaults() -> None:
     """Apply the CRD's defaults to an empty spec; the parser must see no difference."""
 

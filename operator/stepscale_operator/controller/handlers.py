@@ -247,7 +247,7 @@ def start_autoscaler(
     )
     state.autoscalers[key] = autoscaler
     for pod in state.pending_pods.pop_owner(key):
-        autoscaler.observe_pod(pod_view(pod))
+        log_changes(autoscaler.name, autoscaler.observe_pod(pod_view(pod)), "found at start")
     if autoscaler.model_origin == "checkpoint":
         kopf.info(
             body,

@@ -29,6 +29,8 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 RESERVED_ENV_PREFIX = "STEPSCALE_FPM_"
 DEFAULT_FPM_BASE_PORT = 20380
 MAX_DATA_PARALLEL = 64
+# A day: longer is a typo (1e10 overflowed the startup probe's int32 failureThreshold).
+MAX_STARTUP_S = 86400.0
 # spec.autoscaling.initialCoefficients keys (camelCase) -> cost model coefficient names
 # (decode_requests -> decodeRequests, compute.tokens -> computeTokens).
 COEFFICIENT_FIELDS: dict[str, str] = {
@@ -57,7 +59,7 @@ MSG_SEQS_TOKENS = (
 # A Kubernetes resource quantity (500m, 4, 16Gi, 1e3), the same pattern as the CRD's
 # resources.cpu/memory (no backslashes: it reads the same in Go's RE2 and in Python).
 QUANTITY_PATTERN = (
-    "^([0-9]+([.][0-9]*)?|[.][0-9]+)"
+    "^[+]?([0-9]+([.][0-9]*)?|[.][0-9]+)"
     "([KMGTPE]i|[numkMGTPE]|[eE][+-]?([0-9]+([.][0-9]*)?|[.][0-9]+))?$"
 )
 _QUANTITY = re.compile(QUANTITY_PATTERN)
@@ -350,6 +352,15 @@ class _Reader:
         return value
 
 
+def default_gpus(raw: Mapping[str, Any]) -> int:
+    """``resources.gpus`` when not given: one per rank, tensorParallelSize * dataParallelSize
+    (1 when either is not a positive integer: the parser reports that)."""
+    sizes = [raw.get("tensorParallelSize", 1), raw.get("dataParallelSize", 1)]
+    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+        return int(sizes[0] * sizes[1])
+    return 1
+
+
 def parse_spec(raw: Mapping[str, Any] | None) -> VllmDeploymentSpec:
     """Parse ``.spec`` of a ``VllmDeployment``; raises :class:`SpecError` listing every problem."""
     problems: list[str] = []
@@ -379,7 +390,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> VllmDeploymentSpec:
 
     res = r.section(raw, "resources", p)
     resources = ResourcesSpec(
-        gpus=r.integer(res, "gpus", f"{p}.resources", 1, 0),
+        gpus=r.integer(res, "gpus", f"{p}.resources", default_gpus(raw), 0),
         cpu=_quantity(r, res, "cpu", f"{p}.resources"),
         memory=_quantity(r, res, "memory", f"{p}.resources"),
     )
@@ -483,7 +494,7 @@ def _parse_autoscaling(r: _Reader, raw: Mapping[str, Any], p: str) -> Autoscalin
         scale_down_max_step=r.integer(down, "maxStep", f"{p}.scaleDown", 1, 1),
         burst_memory_s=r.number(bursts, "memorySeconds", f"{p}.bursts", 900.0, 0.0),
         recurring_bursts=r.integer(bursts, "recurringAfter", f"{p}.bursts", 3, 0),
-        startup_s=r.number(raw, "startupSeconds", p, 120.0, 0.0),
+        startup_s=r.number(raw, "startupSeconds", p, 120.0, 0.0, MAX_STARTUP_S),
         load_window_s=r.number(metrics, "windowSeconds", f"{p}.metrics", 30.0, 1.0),
         stale_after_s=r.number(metrics, "staleAfterSeconds", f"{p}.metrics", 3.0, 1.0),
         cost_model=CostModelSpec(
