@@ -11,7 +11,8 @@ lists pods:
 * list the pods of one ``VllmDeployment`` (to notice deletions a watch missed).
 
 :data:`CLIENT_CALLS` lists exactly these; :mod:`.permissions` adds what kopf
-needs, and the chart's ClusterRole grants that and nothing else.
+needs, and the chart's RBAC (a ClusterRole, or Roles in the watched namespaces)
+grants that and nothing else.
 """
 
 from __future__ import annotations
