@@ -316,6 +316,30 @@ async def test_leaving_auto_mode_keeps_the_count_and_the_scale_subresource_agree
         await eventually(lambda: deployment_replicas(api, "chat") == 1, what="scaled to 1")
 
 
+async def test_leaving_auto_through_an_invalid_spec_keeps_the_count(
+    api, cluster: FakeCluster
+) -> None:
+    """Auto, then an invalid spec that also switches to advisory, then the fix with a
+    stale replicas: 1: the count the operator set stays (the Deployment remembers the
+    mode it was applied in; status.mode said "invalid" in between)."""
+    cluster.load.decode_tokens_per_s = HIGH_DEMAND
+    async with operator_running(api), cluster.following("chat"):
+        await create(api, vd_path(), vd_body("chat"))
+        await eventually(lambda: (deployment_replicas(api, "chat") or 0) >= 2, what="scaled up")
+        bad = {"mode": "advisory", "minReplicas": 9, "maxReplicas": 4}
+        await patch(api, vd_path("chat"), {"spec": {"autoscaling": bad}})
+        await eventually(lambda: status_of(api, "chat").get("mode") == "invalid", what="invalid")
+        count = deployment_replicas(api, "chat")
+        cluster.load.decode_tokens_per_s = LOW_DEMAND
+        fixed = {"replicas": 1, "autoscaling": {"minReplicas": 1}}
+        await patch(api, vd_path("chat"), {"spec": fixed})
+        await eventually(lambda: status_of(api, "chat").get("mode") == "advisory", what="fixed")
+        await eventually(lambda: vd_spec_replicas(api) == count, what="spec.replicas kept")
+        await asyncio.sleep(2.0)
+        assert deployment_replicas(api, "chat") == count
+        assert events(api, "ReplicasKept")
+
+
 async def test_restart_warm_starts_from_status_and_does_not_flap(api, cluster: FakeCluster) -> None:
     """A restarted operator restores the cost model from status; with the engines still
     publishing, it keeps the replica count it finds (no scaling, no Scaled* event).

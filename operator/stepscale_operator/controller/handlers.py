@@ -41,6 +41,7 @@ from kubernetes.client.exceptions import ApiException
 from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
 from stepscale_operator.controller.children import (
     INSTANCE_LABEL,
+    applied_mode,
     build_deployment,
     build_service,
     selector_string,
@@ -152,8 +153,8 @@ def target_replicas(
     kept, clamped to the new bounds); with autoscaling disabled or advisory,
     ``spec.replicas`` (``kubectl scale``, an HPA). Leaving ``auto`` keeps the
     current count: switching to advisory to watch, or disabling, never moves
-    capacity. ``previous_mode`` is the mode the operator last acted in
-    (``status.mode``).
+    capacity. ``previous_mode`` is the mode the Deployment was last applied in
+    (its annotation), else ``status.mode``.
     """
     a = spec.autoscaling
     current = ((existing or {}).get("spec") or {}).get("replicas")
@@ -169,7 +170,7 @@ def target_replicas(
 
 def mode_of(spec: VllmDeploymentSpec) -> str:
     """``auto``, ``advisory`` or ``disabled``."""
-    return spec.autoscaling.mode if spec.autoscaling.enabled else "disabled"
+    return spec.mode()
 
 
 def server_message(exc: ApiException) -> str:
@@ -201,14 +202,17 @@ def apply_children(
     uid: str,
     spec: VllmDeploymentSpec,
     previous_mode: str | None,
-) -> int:
-    """Apply the Service, then the Deployment; returns the Deployment's replicas.
+) -> tuple[int, str | None]:
+    """Apply the Service, then the Deployment; returns the Deployment's replicas and
+    the mode it was applied in before (its annotation, else ``previous_mode``).
 
     A refused one raises :class:`SpecError`. The Service goes first: a refused
     Service must not leave a Deployment running behind it (a Service without pods
     costs nothing).
     """
-    replicas = target_replicas(spec, kube.get_deployment(namespace, name), previous_mode)
+    existing = kube.get_deployment(namespace, name)
+    previous_mode = applied_mode(existing) or previous_mode
+    replicas = target_replicas(spec, existing, previous_mode)
     for kind, body in (
         ("Service", build_service(name, namespace, uid, spec)),
         ("Deployment", build_deployment(name, namespace, uid, spec, replicas)),
@@ -219,7 +223,7 @@ def apply_children(
             if exc.status in REFUSED_STATUSES:
                 raise SpecError([refused_problem(kind, exc)]) from exc
             raise
-    return replicas
+    return replicas, previous_mode
 
 
 def log_changes(owner: str, changes: StreamChanges, why: str = "") -> None:
@@ -362,7 +366,7 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
             return  # no retry: the user has to fix the spec, which triggers an update
         previous_mode = status.get("mode")
         try:
-            replicas = apply_children(
+            replicas, previous_mode = apply_children(
                 state.kube, name, key[0], str(meta.get("uid", "")), parsed, previous_mode
             )
         except SpecError as exc:

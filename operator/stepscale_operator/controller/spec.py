@@ -203,6 +203,10 @@ class VllmDeploymentSpec:
         """The FPM port of each data-parallel rank."""
         return [self.fpm_base_port + r for r in range(self.data_parallel_size)]
 
+    def mode(self) -> str:
+        """``auto``, ``advisory`` or ``disabled``: who sets the replica count."""
+        return self.autoscaling.mode if self.autoscaling.enabled else "disabled"
+
     def initial_replicas(self) -> int:
         """Replicas to start with: ``spec.replicas``, clamped to the autoscaling range."""
         a = self.autoscaling
