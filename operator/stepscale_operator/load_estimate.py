@@ -140,6 +140,8 @@ _TREND_FIELDS = frozenset(
         "prefill_demand_tokens_per_s_recent",
     }
 )
+# Public name: the autoscaler withholds these until a whole window has been observed.
+TREND_FIELDS = _TREND_FIELDS
 
 
 def load_matrices(msgs: Sequence[ForwardPassMetrics]) -> tuple[FloatArray, FloatArray]:

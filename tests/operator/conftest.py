@@ -30,8 +30,23 @@ What kmock (0.8) does not emulate, and what these fixtures do about it:
   Deployment's replicas, starts a publisher per pod and rank, replaces every pod
   when the pod template changes (a rollout, all at once rather than one by one)
   and writes the Deployment's ``status.replicas``/``readyReplicas``;
-* no RBAC: :attr:`ApiServerEmulator.calls` records what the operator asked for,
-  and the ``api`` fixture checks it against the permissions the chart grants.
+* no RBAC and no authentication: :attr:`ApiServerEmulator.calls` records what the
+  operator asked for, and the ``api`` fixture checks it against the permissions the
+  chart grants in the mode the test ran (:attr:`ApiServerEmulator.namespaced`);
+  with :attr:`ApiServerEmulator.rbac_namespaces` set, the emulator answers 403, as
+  the chart's Roles would, to every operator request outside those namespaces or
+  not granted, and records it in :attr:`ApiServerEmulator.forbidden`;
+  :attr:`ApiServerEmulator.authorizations` records the credentials the operator
+  presented, and the fixture checks that every request carried the token of the
+  kubeconfig (or service account) it was started with;
+* plain HTTP only: the in-cluster tests put a TLS proxy with a CA made in the test
+  in front of it (:mod:`tests.operator.tls_proxy`).
+
+The operator runs as users run it: :func:`operator_running` parses ``stepscale
+operator`` arguments with the CLI's own parser and starts the operator with
+``KUBECONFIG`` naming a kubeconfig file for the emulator; kopf and the client log
+in through the operator's login path (``test_entry_auth.py`` runs the CLI as a
+process, with a kubeconfig and in-cluster).
 """
 
 from __future__ import annotations
@@ -43,6 +58,8 @@ import datetime
 import hashlib
 import itertools
 import json
+import os
+import tempfile
 import threading
 import time
 import uuid
@@ -58,16 +75,31 @@ from kmock._internal import enums
 
 from stepscale_engine import wire
 from stepscale_engine.publisher import FpmPublisher
-from stepscale_operator.controller.entry import run_operator
-from stepscale_operator.controller.handlers import ControllerConfig, ControllerState
-from stepscale_operator.controller.kube_api import KubernetesApi, api_client_from_environment
-from stepscale_operator.controller.metrics import OperatorMetrics
+from stepscale_operator.cli import build_parser
+from stepscale_operator.controller.cli_command import operator_options
+from stepscale_operator.controller.entry import controller_state_from_environment, run_operator
+from stepscale_operator.controller.handlers import ControllerState
 from stepscale_operator.controller.permissions import Call, required_calls
 
 NAMESPACE = "llm"
 VD_RESOURCE = "stepscale.io/v1alpha1/vllmdeployments"
 DEPLOY_RESOURCE = "apps/v1/deployments"
 FPM_BASE_PORT = 20380
+# The bearer token of the operator's kubeconfig (and service account): every request the
+# operator makes must carry it.
+OPERATOR_TOKEN = "stepscale-operator-test-token"
+# ``stepscale operator`` arguments of the tests: fast ticks, frequent pod listings.
+TEST_OPERATOR_ARGS = (
+    "--standalone",
+    "--tick-seconds",
+    "0.25",
+    "--pod-resync-seconds",
+    "1",
+    "--metrics-port",
+    "0",
+    "--health-port",
+    "0",
+)
 
 _resource_versions = itertools.count(1000)
 
@@ -99,15 +131,40 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     """
 
     refuse: Callable[[str, Any], str | None] | None = None
+    # Seconds each read of a Deployment by the operator takes (a slow API server).
+    deployment_read_delay_s: float = 0.0
+    # Which RBAC the operator runs under: namespaced Roles (in rbac_namespaces, which
+    # turns 403s on) or the cluster-wide ClusterRole.
+    namespaced: bool = False
+    rbac_namespaces: frozenset[str] = frozenset()
+    forbidden: list[tuple[Call, str | None]]
     calls: set[Call]
+    authorizations: set[str]
 
     async def _handle(self, request: Any) -> Any:
         if not hasattr(self, "calls"):
             self.calls = set()
+            self.authorizations = set()
+            self.forbidden = []
         user_agent = str(request.headers.get("User-Agent", ""))
         call = request_call(request)
-        if call is not None and not user_agent.startswith("kmock/"):
-            self.calls.add(call)
+        if not user_agent.startswith("kmock/"):
+            # The scheme is case-insensitive (RFC 7235): kopf sends "Bearer", the
+            # kubernetes client's in-cluster loader "bearer".
+            scheme, _, credentials = str(request.headers.get("Authorization", "")).partition(" ")
+            self.authorizations.add(f"{scheme.lower()} {credentials}")
+            if call is not None:
+                self.calls.add(call)
+                if self.rbac_namespaces and (
+                    call not in required_calls(self.namespaced)
+                    or request.namespace not in self.rbac_namespaces
+                ):
+                    self.forbidden.append((call, request.namespace))
+                    raise kmock.KubernetesError(
+                        status=403, reason="Forbidden", message=f"{call} is not granted"
+                    )
+            if call == ("apps", "deployments", "get") and self.deployment_read_delay_s:
+                await asyncio.sleep(self.deployment_read_delay_s)
         if (
             self.refuse is not None
             and request.resource is not None
@@ -186,6 +243,9 @@ def declare_resources(api: kmock.KubernetesEmulator) -> None:
     api.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
         kind="ClusterKopfPeering", namespaced=False, verbs=verbs
     )
+    api.resources["kopf.dev/v1/kopfpeerings"] = kmock.ResourceInfo(
+        kind="KopfPeering", namespaced=True, verbs=verbs
+    )
     # kopf waits for namespaces to be discoverable even when it runs cluster-wide.
     api.resources["v1/namespaces"] = kmock.ResourceInfo(
         kind="Namespace", namespaced=False, verbs={"list", "watch", "get"}
@@ -195,13 +255,33 @@ def declare_resources(api: kmock.KubernetesEmulator) -> None:
 @pytest_asyncio.fixture
 async def api() -> AsyncIterator[ApiServerEmulator]:
     """An emulated API server on a loopback port; afterwards, every request the operator
-    made must be one the chart's ClusterRole grants (operator tests run cluster-wide)."""
+    made must be one the chart's ClusterRole grants (operator tests run cluster-wide)
+    and must have carried the operator's token."""
     async with ApiServerEmulator() as emulator, kmock.Server(emulator):
         declare_resources(emulator)
         emulator.calls = set()
+        emulator.authorizations = set()
+        emulator.forbidden = []
         yield emulator
-    not_granted = emulator.calls - required_calls(namespaced=False)
-    assert not not_granted, f"requests the ClusterRole does not grant: {sorted(not_granted)}"
+    not_granted = emulator.calls - required_calls(namespaced=emulator.namespaced)
+    assert not not_granted, f"requests the chart's RBAC does not grant: {sorted(not_granted)}"
+    unauthenticated = emulator.authorizations - {f"bearer {OPERATOR_TOKEN}"}
+    assert not unauthenticated, f"requests without the operator's token: {unauthenticated}"
+
+
+def write_kubeconfig(path: str, server: str, token: str = OPERATOR_TOKEN) -> str:
+    """A kubeconfig file naming ``server`` (the emulator) and a bearer token; returns ``path``."""
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "operator"}}],
+        "current-context": "kmock",
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(kubeconfig, f)  # JSON is YAML
+    return path
 
 
 def get_object(
@@ -547,29 +627,52 @@ class RunningOperator:
 @contextlib.asynccontextmanager
 async def operator_running(
     api: kmock.KubernetesEmulator,
-    config: ControllerConfig | None = None,
+    args: Sequence[str] = TEST_OPERATOR_ARGS,
     identity: str | None = None,
 ) -> AsyncIterator[RunningOperator]:
-    """Run the real operator (handlers, timer, subscriber) against ``api``."""
-    url = str(api.url).rstrip("/")
-    state = ControllerState(
-        kube=KubernetesApi(api_client_from_environment(url)), metrics=OperatorMetrics()
-    )
+    """Run the real operator (handlers, timer, subscriber) against ``api``, in this loop.
+
+    ``args`` are ``stepscale operator`` arguments, parsed by the CLI's parser; the
+    operator logs in from ``KUBECONFIG``, a kubeconfig file naming the emulator (set
+    while it runs). Only ``identity`` (kopf's name for this peer, by default from
+    host and process) is given directly: tests run peers in one process.
+    """
+    parsed = build_parser().parse_args(["operator", *args])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_kubeconfig(os.path.join(tmp, "kubeconfig"), str(api.url).rstrip("/"))
+        saved = os.environ.get("KUBECONFIG")
+        os.environ["KUBECONFIG"] = path
+        try:
+            async with _operator_task(parsed, identity) as running:
+                yield running
+        finally:
+            if saved is None:
+                os.environ.pop("KUBECONFIG", None)
+            else:
+                os.environ["KUBECONFIG"] = saved
+
+
+@contextlib.asynccontextmanager
+async def _operator_task(args: Any, identity: str | None) -> AsyncIterator[RunningOperator]:
+    state = controller_state_from_environment()
     stop_flag = asyncio.Event()
     ready_flag = asyncio.Event()
     task = asyncio.create_task(
         run_operator(
-            config=config or ControllerConfig(tick_s=0.25, pod_resync_s=1.0, standalone=True),
-            metrics_port=None,
-            liveness_endpoint=None,
-            kube_host=url,
+            **operator_options(args),
             stop_flag=stop_flag,
             ready_flag=ready_flag,
             state=state,
             identity=identity,
         )
     )
-    await asyncio.wait_for(ready_flag.wait(), 30)
+    ready = asyncio.create_task(ready_flag.wait())
+    await asyncio.wait({task, ready}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        ready.cancel()
+        if task.done():
+            task.result()  # the operator failed to start: its error
+        pytest.fail("the operator did not become ready")
     running = RunningOperator(state, task, stop_flag)
     try:
         yield running

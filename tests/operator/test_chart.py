@@ -265,7 +265,7 @@ def test_custom_render_adds_policy_monitor_and_namespaces(helm: str) -> None:
         "--set",
         "serviceMonitor.enabled=true",
         "--set",
-        "watchNamespaces={llm}",
+        "watchNamespaces={llm,batch}",
         "--set",
         "metrics.service.enabled=true",
     )
@@ -281,14 +281,31 @@ def test_custom_render_adds_policy_monitor_and_namespaces(helm: str) -> None:
     monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
     dep = next(d for d in docs if d["kind"] == "Deployment")
-    assert "--namespace=llm" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=llm" in args and "--namespace=batch" in args
     # Namespaced operators peer through a KopfPeering in each namespace they watch.
     peerings = [d for d in docs if d["kind"] in ("KopfPeering", "ClusterKopfPeering")]
-    assert [(p["kind"], p["metadata"].get("namespace")) for p in peerings] == [
-        ("KopfPeering", "llm")
+    assert sorted((p["kind"], p["metadata"].get("namespace")) for p in peerings) == [
+        ("KopfPeering", "batch"),
+        ("KopfPeering", "llm"),
     ]
-    role = next(d for d in docs if d["kind"] == "ClusterRole")
-    assert granted_rules(role) == required_rules(namespaced=True)
+    # Namespaced RBAC: a Role and its RoleBinding in each watched namespace, exactly what
+    # the operator needs there; nothing cluster-scoped.
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
+    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"llm", "batch"}
+    for ns, role in roles.items():
+        assert granted_rules(role) == required_rules(namespaced=True), ns
+        binding = bindings[ns]
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "rel-stepscale", "namespace": "ops"}
+        ]
 
 
 def test_example_is_valid_against_the_crd() -> None:
@@ -311,6 +328,7 @@ def test_example_is_valid_against_the_crd() -> None:
         ({"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, "duplicate"),
         ({"autoscaling": {"mode": "yolo"}}, "is not one of"),
         ({"replicas": -1}, "less than the minimum"),
+        ({"autoscaling": {"startupSeconds": 1e10}}, "greater than the maximum"),
     ],
 )
 def test_the_crd_refuses_what_the_api_server_would(change: dict[str, Any], fragment: str) -> None:

@@ -12,7 +12,12 @@ from stepscale_engine.publisher import FpmPublisher
 from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
 from stepscale_operator.controller.discovery import PodView
 from stepscale_operator.controller.metrics import OperatorMetrics
-from stepscale_operator.controller.rounds import EventGate, observe_metrics, scaling_event
+from stepscale_operator.controller.rounds import (
+    EventGate,
+    ScaleBackoff,
+    observe_metrics,
+    scaling_event,
+)
 from stepscale_operator.controller.spec import parse_spec
 from stepscale_operator.planner import Decision
 
@@ -31,6 +36,24 @@ def decision(action: str, current: int, desired: int, apply: bool) -> Decision:
         predicted_current=None,
         predicted_desired=None,
     )
+
+
+def test_scale_backoff_doubles_reports_one_refusal_per_streak_and_ends_on_success() -> None:
+    backoff = ScaleBackoff(max_s=8.0)
+    key = ("ns", "chat")
+    assert backoff.waiting(key, 0.0) is None
+    assert backoff.refused(key, 0.0, 1.0, "quota exceeded") is True  # the streak's first
+    assert backoff.waiting(key, 0.5) == "quota exceeded; next attempt in 0 s"
+    assert backoff.waiting(key, 1.0) is None  # waited base_s
+    assert backoff.refused(key, 1.0, 1.0, "quota exceeded") is False  # same streak
+    assert backoff.waiting(key, 2.9) is not None and backoff.waiting(key, 3.0) is None
+    for now in (3.0, 7.0, 15.0):
+        backoff.refused(key, now, 1.0, "quota exceeded")
+    assert backoff.waiting(key, 22.9) is not None  # capped at max_s: 15 + 8
+    assert backoff.waiting(key, 23.0) is None
+    backoff.succeeded(key)
+    assert backoff.waiting(key, 23.0) is None
+    assert backoff.refused(key, 30.0, 1.0, "again") is True  # a new streak
 
 
 def test_event_reasons() -> None:
@@ -206,5 +229,97 @@ def test_learned_bursts_survive_a_restart_and_a_spec_change() -> None:
         autoscaler.reconfigure(changed)
         assert autoscaler.planner is not old_planner
         assert autoscaler.planner.burst_onsets() == [(3500.0, 7), (4100.0, 8), (4700.0, 7)]
+    finally:
+        autoscaler.close()
+
+
+def test_no_trend_from_a_partly_filled_window_after_start_or_reconfigure() -> None:
+    """A warm restart (a new autoscaler) or a new load window starts with an empty
+    window: until a whole window has data, its trends are withheld (zero, named
+    unavailable), not read off a slope across the empty part (a spurious rise)."""
+    from stepscale_operator.fpm_pipeline import MessageBatch
+
+    raw = {
+        "model": "m",
+        "image": "i",
+        "fpm": {"basePort": 20395},
+        "autoscaling": {"intervalSeconds": 1, "metrics": {"windowSeconds": 3}},
+    }
+    clock = [100.3]  # mid-bucket, as a restart lands
+    autoscaler = DeploymentAutoscaler("ns/chat", parse_spec(raw), clock=lambda: clock[0])
+    counter = 0
+
+    def run_until(end: float) -> None:
+        """Steady decode load: a pass of 16 requests every 10 ms, ingested as it arrives."""
+        nonlocal counter
+        while clock[0] < end:
+            msgs = []
+            for _ in range(10):
+                counter += 1
+                msgs.append(
+                    wire.ForwardPassMetrics(
+                        worker_id="pod-a",
+                        dp_rank=0,
+                        counter_id=counter,
+                        wall_time=0.01,
+                        scheduled_requests=wire.ScheduledRequestMetrics(
+                            num_decode_requests=16, sum_decode_kv_tokens=16000
+                        ),
+                    )
+                )
+            autoscaler._on_batch(MessageBatch.of(msgs))
+            autoscaler.ingest()
+            clock[0] += 0.1
+
+    try:
+        autoscaler.observe_pod(PodView("pod-a", "127.0.0.51", True, False, None))
+        for end in (101.5, 102.5, 103.2):  # the window is still filling
+            run_until(end)
+            load = autoscaler.decide(current_replicas=1).load
+            assert load is not None and load.decode_tokens_per_s > 0
+            assert load.decode_tokens_per_s_trend == 0.0
+            assert "decode_tokens_per_s_trend" in load.unavailable
+        run_until(105.0)  # a whole window (and a bucket) of data: trends come back
+        load = autoscaler.decide(current_replicas=1).load
+        assert load is not None and "decode_tokens_per_s_trend" not in load.unavailable
+        # A new window length rebuilds the window: withheld again until it fills.
+        raw["autoscaling"]["metrics"] = {"windowSeconds": 4}
+        autoscaler.reconfigure(parse_spec(raw))
+        run_until(106.0)
+        load = autoscaler.decide(current_replicas=1).load
+        assert load is not None and "decode_tokens_per_s_trend" in load.unavailable
+    finally:
+        autoscaler.close()
+
+
+def test_pods_found_before_the_autoscaler_are_logged_when_subscribed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Pods the watch reported before their VllmDeployment was handled are subscribed
+    when its autoscaler starts, with the same log line as any other subscription."""
+    import logging
+
+    from stepscale_operator.controller.handlers import ControllerState, start_autoscaler
+
+    state = ControllerState(kube=None)  # type: ignore[arg-type]  # no API call here
+    key = ("ns", "chat")
+    pod = {
+        "metadata": {"name": "chat-0"},
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.61",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    state.pending_pods.put(key, "chat-0", pod)
+    spec = parse_spec({"model": "m", "image": "i", "fpm": {"basePort": 20396}})
+    caplog.set_level(logging.INFO, logger="stepscale_operator.controller.handlers")
+    autoscaler = start_autoscaler(state, key, spec, {}, {})  # type: ignore[arg-type]
+    try:
+        assert set(autoscaler.pods.endpoints) == {"tcp://127.0.0.61:20396"}
+        lines = [r.getMessage() for r in caplog.records]
+        assert any(
+            "subscribed to tcp://127.0.0.61:20396" in x and "found at start" in x for x in lines
+        )
     finally:
         autoscaler.close()

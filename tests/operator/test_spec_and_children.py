@@ -66,6 +66,7 @@ def test_burst_settings_reach_the_planner() -> None:
             "spec.autoscaling.bursts.recurringAfter: must be >= 0",
         ),
         ({"replicas": "two"}, "spec.replicas: must be an integer"),
+        ({"autoscaling": {"startupSeconds": 1e10}}, "startupSeconds: must be <= 86400"),
         ({"autoscaling": {"slo": {"itlMs": 0}}}, "spec.autoscaling.slo.itlMs: must be > 0"),
         ({"model": ""}, "spec.model"),
         ({"autoscaling": {"costModel": {"initialCoefficients": {"bogus": 1}}}}, "unknown"),
@@ -81,6 +82,13 @@ def test_invalid_specs_say_what_to_fix(changes: dict[str, Any], fragment: str) -
     with pytest.raises(SpecError) as info:
         parse_spec(spec_with(**changes))
     assert fragment in str(info.value)
+
+
+def test_gpus_default_to_one_per_rank() -> None:
+    """Only tensorParallelSize (or dataParallelSize) given: gpus follows, the spec is valid."""
+    assert parse_spec(spec_with(tensorParallelSize=2)).resources.gpus == 2
+    assert parse_spec(spec_with(tensorParallelSize=2, dataParallelSize=2)).resources.gpus == 4
+    assert parse_spec(spec_with(tensorParallelSize=2, resources={"gpus": 0})).resources.gpus == 0
 
 
 def test_every_problem_is_reported_at_once() -> None:
@@ -215,7 +223,8 @@ def test_malformed_pods_read_as_not_ready() -> None:
 
 
 def test_valid_quantities_pass() -> None:
-    for cpu, memory in (("500m", "16Gi"), ("4", "64G"), ("0.5", "1e9"), ("2", "512Mi")):
+    pairs = (("500m", "16Gi"), ("4", "64G"), ("0.5", "1e9"), ("2", "512Mi"), ("+1", "+16Gi"))
+    for cpu, memory in pairs:
         spec = parse_spec(spec_with(resources={"gpus": 1, "cpu": cpu, "memory": memory}))
         assert (spec.resources.cpu, spec.resources.memory) == (cpu, memory)
 

@@ -9,6 +9,7 @@ status built from a real, fitted core must come through unchanged.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -385,6 +386,53 @@ def test_crd_shape() -> None:
         "MSG_RESERVED_ENV",
     ):
         assert getattr(spec_module, name) in messages, name
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("g14-int-as-float-1.0", "DNS-1035"),  # a dot: no Service can have this name
+        ("Chat", "DNS-1035"),
+        ("1chat", "DNS-1035"),
+        ("chat-", "DNS-1035"),
+        ("x" * 64, "at most 63"),
+    ],
+)
+def test_names_no_service_or_label_can_carry_are_refused(name: str, fragment: str) -> None:
+    """The CRD's rules on metadata.name and the operator's check refuse the same names
+    with the same message. No CEL runs here: the rules' regular expression and length
+    are read out of the CRD and applied (RE2 and Python agree on this pattern)."""
+    from stepscale_operator.controller.spec import (
+        MSG_NAME_LABEL,
+        MSG_NAME_LENGTH,
+        NAME_PATTERN,
+        name_problems,
+    )
+
+    rules = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+    by_message = {r["message"]: r["rule"] for r in rules}
+    assert by_message[MSG_NAME_LENGTH] == "size(self.metadata.name) <= 63"
+    assert by_message[MSG_NAME_LABEL] == f"self.metadata.name.matches('{NAME_PATTERN}')"
+    crd_refuses = len(name) > 63 or not re.match(NAME_PATTERN, name)
+    problems = name_problems(name)
+    assert crd_refuses and problems and fragment in problems[0]
+    for good in ("chat", "g14-int-as-float-1-0", "a" * 63, "a1"):
+        assert name_problems(good) == [] and re.match(NAME_PATTERN, good)
+
+
+def test_every_spec_field_has_a_description_for_kubectl_explain() -> None:
+    missing: list[str] = []
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        for key, sub in (node.get("properties") or {}).items():
+            if not str(sub.get("description", "")).strip():
+                missing.append(f"{path}.{key}")
+            walk(sub, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
+
+    walk(schema()["properties"]["spec"], "spec")
+    assert missing == []
 
 
 def test_crd_spec_defaults_are_the_parser_defaults() -> None:

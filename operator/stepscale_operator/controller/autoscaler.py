@@ -20,7 +20,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stepscale_engine.rate_limited_log import RateLimitedLog
@@ -30,7 +30,7 @@ from stepscale_operator.controller.spec import AutoscalingSpec, VllmDeploymentSp
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch
 from stepscale_operator.latency_model import EngineLimits, SloTargets
-from stepscale_operator.load_estimate import LoadEstimator
+from stepscale_operator.load_estimate import TREND_FIELDS, LoadEstimator
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner import (
     Decision,
@@ -73,6 +73,13 @@ def silence_safe_window(a: AutoscalingSpec) -> float:
     with the defaults (120 s vs 3 s) it never matters.
     """
     return max(a.scale_down_stabilization_s, a.stale_after_s + 2.0 * a.interval_s)
+
+
+def without_trends(load: LoadEstimate) -> LoadEstimate:
+    """``load`` with its trends withheld, as the estimator itself withholds them when it
+    has too little data: zero and named in ``unavailable``."""
+    zeros: dict[str, Any] = dict.fromkeys(TREND_FIELDS, 0.0)
+    return replace(load, **zeros, unavailable=load.unavailable | TREND_FIELDS)
 
 
 def planner_policy(spec: VllmDeploymentSpec) -> PlannerPolicy:
@@ -146,6 +153,10 @@ class DeploymentAutoscaler:
         self._rate_log = RateLimitedLog(log)
         cost_model, self.model_origin = new_cost_model(spec, checkpoint)
         self.model = self._new_model(spec, cost_model)
+        # When the load window began to fill (the first batch since start or since the
+        # window was rebuilt): until a whole window has passed since, its oldest part
+        # holds no data, and a slope across it reads as a rise that is not there.
+        self._window_filling_since: float | None = None
         self.planner = Planner(planner_policy(spec))
         if bursts:
             # Saved as wall-clock times; the planner decides on ``clock``.
@@ -194,6 +205,7 @@ class DeploymentAutoscaler:
                 keys = list(self.pods.endpoints.values())
                 self._retire(self.model.streams.keys(), rejected=True)
                 self.model = self._new_model(spec, self.model.cost_model)
+                self._window_filling_since = None
                 self.subscriber.streams = self.model.streams
                 for key in keys:
                     self.model.add_stream(key)
@@ -246,6 +258,8 @@ class DeploymentAutoscaler:
         with self._lock:
             while self._queue:
                 arrived, msgs = self._queue.popleft()
+                if self._window_filling_since is None:
+                    self._window_filling_since = arrived
                 self.model.ingest(msgs, arrived)
                 n += len(msgs)
         return n
@@ -285,6 +299,13 @@ class DeploymentAutoscaler:
         )
         return ReplicaCounts(ready=self.pods.ready_count(), starting_since=starting)
 
+    def _window_filled(self, now: float) -> bool:
+        """Whether a whole load window (plus the bucket it began in) has data since the
+        first batch after start or after the window was rebuilt."""
+        since = self._window_filling_since
+        load = self.model.load
+        return since is not None and now - since >= load.window_s + load.bucket_s
+
     def decide(self, current_replicas: int | None = None) -> DecisionRound:
         """Ingest, estimate the load and (autoscaling enabled) ask the planner.
 
@@ -295,6 +316,8 @@ class DeploymentAutoscaler:
             ingested = self.ingest()
             now = self._clock()
             load = self.model.estimate(now)
+            if not self._window_filled(now):
+                load = without_trends(load)
             counts = self.replica_counts(now)
             known = counts.ready + len(counts.starting_since)
             if current_replicas is not None and current_replicas > known:

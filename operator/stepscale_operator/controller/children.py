@@ -159,6 +159,19 @@ def container(spec: VllmDeploymentSpec) -> dict[str, Any]:
     }
 
 
+# On the child Deployment: the autoscaling mode it was last applied in. Leaving auto
+# keeps the count the operator set, even when the spec was invalid in between or
+# status was lost (it survives both).
+MODE_ANNOTATION = "stepscale.io/applied-mode"
+
+
+def applied_mode(deployment: dict[str, Any] | None) -> str | None:
+    """The mode a child Deployment was last applied in (None: unknown)."""
+    annotations = ((deployment or {}).get("metadata") or {}).get("annotations") or {}
+    mode = annotations.get(MODE_ANNOTATION)
+    return mode if isinstance(mode, str) else None
+
+
 def build_deployment(
     name: str, namespace: str, uid: str, spec: VllmDeploymentSpec, replicas: int
 ) -> dict[str, Any]:
@@ -188,10 +201,12 @@ def build_deployment(
     pod_metadata: dict[str, Any] = {"labels": pod_labels}
     if pt.annotations:
         pod_metadata["annotations"] = dict(pt.annotations)
+    metadata = child_metadata(name, namespace, uid)
+    metadata["annotations"] = {MODE_ANNOTATION: spec.mode()}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": child_metadata(name, namespace, uid),
+        "metadata": metadata,
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(name)},

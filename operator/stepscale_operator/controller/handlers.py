@@ -41,6 +41,7 @@ from kubernetes.client.exceptions import ApiException
 from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
 from stepscale_operator.controller.children import (
     INSTANCE_LABEL,
+    applied_mode,
     build_deployment,
     build_service,
     selector_string,
@@ -48,13 +49,20 @@ from stepscale_operator.controller.children import (
 from stepscale_operator.controller.discovery import PendingPods, StreamChanges, pod_view
 from stepscale_operator.controller.kube_api import KubernetesApi
 from stepscale_operator.controller.metrics import OperatorMetrics
-from stepscale_operator.controller.rounds import EventGate, observe_metrics, scaling_event
+from stepscale_operator.controller.rounds import (
+    EventGate,
+    ScaleBackoff,
+    ScalingEvent,
+    observe_metrics,
+    scaling_event,
+)
 from stepscale_operator.controller.spec import (
     GROUP,
     PLURAL,
     VERSION,
     SpecError,
     VllmDeploymentSpec,
+    name_problems,
     parse_spec,
 )
 from stepscale_operator.controller.status import (
@@ -63,6 +71,7 @@ from stepscale_operator.controller.status import (
     bursts_from_status,
     checkpoint_from_status,
 )
+from stepscale_operator.planner import Decision
 from stepscale_operator.stream_state import stream_label
 
 log = logging.getLogger(__name__)
@@ -98,6 +107,7 @@ class ControllerState:
     last_resync: dict[Key, float] = field(default_factory=dict)
     totals: dict[Key, dict[str, int]] = field(default_factory=dict)
     events: EventGate = field(default_factory=EventGate)
+    scale_backoff: ScaleBackoff = field(default_factory=ScaleBackoff)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def release(self, key: Key, *, deleted: bool = False) -> None:
@@ -112,6 +122,7 @@ class ControllerState:
             for per_key in (self.last_round, self.last_resync, self.totals):
                 per_key.pop(key, None)
             self.events.forget(key)
+            self.scale_backoff.forget(key)
             if deleted:
                 self.problems.pop(key, None)
                 self.reconciled.discard(key)
@@ -133,35 +144,50 @@ def deployment_label(key: Key) -> str:
     return f"{key[0]}/{key[1]}"
 
 
-def target_replicas(spec: VllmDeploymentSpec, existing: Mapping[str, Any] | None) -> int:
+def target_replicas(
+    spec: VllmDeploymentSpec, existing: Mapping[str, Any] | None, previous_mode: str | None
+) -> int:
     """Replicas the child Deployment should have when the spec is (re)applied.
 
-    Without autoscaling (or in advisory mode) ``spec.replicas`` rules, so that
-    ``kubectl scale`` and an HPA work through the scale subresource. In ``auto``
-    mode the count the operator last set is kept (clamped to the new bounds).
+    Who owns the count: in ``auto`` mode the operator (the count it last set is
+    kept, clamped to the new bounds); with autoscaling disabled or advisory,
+    ``spec.replicas`` (``kubectl scale``, an HPA). Leaving ``auto`` keeps the
+    current count: switching to advisory to watch, or disabling, never moves
+    capacity. ``previous_mode`` is the mode the Deployment was last applied in
+    (its annotation), else ``status.mode``.
     """
     a = spec.autoscaling
-    if not a.enabled or a.advisory:
-        return spec.replicas
     current = ((existing or {}).get("spec") or {}).get("replicas")
-    if isinstance(current, int):
-        return min(max(current, a.min_replicas), a.max_replicas)
-    return spec.initial_replicas()
+    current = current if isinstance(current, int) else None
+    if mode_of(spec) == "auto":
+        if current is not None:
+            return min(max(current, a.min_replicas), a.max_replicas)
+        return spec.initial_replicas()
+    if previous_mode == "auto" and current is not None:
+        return current
+    return spec.replicas
 
 
 def mode_of(spec: VllmDeploymentSpec) -> str:
     """``auto``, ``advisory`` or ``disabled``."""
-    return spec.autoscaling.mode if spec.autoscaling.enabled else "disabled"
+    return spec.mode()
+
+
+def server_message(exc: ApiException) -> str:
+    """What the API server said: the Status body's message, else the HTTP reason."""
+    detail = str(exc.reason or "")
+    try:
+        body = json.loads(exc.body or "{}")
+        if isinstance(body, dict):
+            detail = str(body.get("message") or detail)
+    except (TypeError, ValueError):
+        pass
+    return detail
 
 
 def refused_problem(kind: str, exc: ApiException) -> str:
     """A ``Degraded`` message for a child object the API server refused as invalid."""
-    detail = str(exc.reason or "")
-    try:
-        body = json.loads(exc.body or "{}")
-        detail = str(body.get("message") or detail)
-    except (TypeError, ValueError):
-        pass
+    detail = server_message(exc)
     return (
         f"spec: the API server refused the {kind} built from this spec ({exc.status}): "
         f"{detail}; fix the field it names in the VllmDeployment (resources, env, "
@@ -170,13 +196,26 @@ def refused_problem(kind: str, exc: ApiException) -> str:
 
 
 def apply_children(
-    kube: KubernetesApi, name: str, namespace: str, uid: str, spec: VllmDeploymentSpec
-) -> None:
-    """Apply the Deployment and the Service; a refused one raises :class:`SpecError`."""
-    replicas = target_replicas(spec, kube.get_deployment(namespace, name))
+    kube: KubernetesApi,
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: VllmDeploymentSpec,
+    previous_mode: str | None,
+) -> tuple[int, str | None]:
+    """Apply the Service, then the Deployment; returns the Deployment's replicas and
+    the mode it was applied in before (its annotation, else ``previous_mode``).
+
+    A refused one raises :class:`SpecError`. The Service goes first: a refused
+    Service must not leave a Deployment running behind it (a Service without pods
+    costs nothing).
+    """
+    existing = kube.get_deployment(namespace, name)
+    previous_mode = applied_mode(existing) or previous_mode
+    replicas = target_replicas(spec, existing, previous_mode)
     for kind, body in (
-        ("Deployment", build_deployment(name, namespace, uid, spec, replicas)),
         ("Service", build_service(name, namespace, uid, spec)),
+        ("Deployment", build_deployment(name, namespace, uid, spec, replicas)),
     ):
         try:
             kube.apply(body)
@@ -184,6 +223,7 @@ def apply_children(
             if exc.status in REFUSED_STATUSES:
                 raise SpecError([refused_problem(kind, exc)]) from exc
             raise
+    return replicas, previous_mode
 
 
 def log_changes(owner: str, changes: StreamChanges, why: str = "") -> None:
@@ -211,7 +251,7 @@ def start_autoscaler(
     )
     state.autoscalers[key] = autoscaler
     for pod in state.pending_pods.pop_owner(key):
-        autoscaler.observe_pod(pod_view(pod))
+        log_changes(autoscaler.name, autoscaler.observe_pod(pod_view(pod)), "found at start")
     if autoscaler.model_origin == "checkpoint":
         kopf.info(
             body,
@@ -257,6 +297,10 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
         )
         settings.posting.level = logging.INFO
+        # A timer that is mid-round when its object is deleted is polled for its exit
+        # every cancellation_polling seconds (kopf's default: 60), and the finalizer,
+        # hence the deletion, waits that long: a round takes well under a second.
+        settings.background.cancellation_polling = 1.0
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
 
@@ -293,6 +337,7 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
             min_samples=0,
             mape=None,
         )
+        patch.status["mode"] = "invalid"
         patch.status["observedGeneration"] = meta.get("generation")
 
     @kopf.on.resume(*resource, registry=registry)
@@ -310,13 +355,20 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
         **_: Any,
     ) -> None:
         key: Key = (namespace or "", name)
+        bad_name = name_problems(name)
+        if bad_name:  # the CRD refuses these; an API server without CEL may not
+            refuse_spec(key, tuple(bad_name), body=body, meta=meta, status=status, patch=patch)
+            return  # no child can be made under this name
         try:
             parsed = parse_spec(dict(spec))
         except SpecError as exc:
             refuse_spec(key, exc.problems, body=body, meta=meta, status=status, patch=patch)
             return  # no retry: the user has to fix the spec, which triggers an update
+        previous_mode = status.get("mode")
         try:
-            apply_children(state.kube, name, key[0], str(meta.get("uid", "")), parsed)
+            replicas, previous_mode = apply_children(
+                state.kube, name, key[0], str(meta.get("uid", "")), parsed, previous_mode
+            )
         except SpecError as exc:
             refuse_spec(key, exc.problems, body=body, meta=meta, status=status, patch=patch)
             # Permanent: kopf stops retrying this spec; a changed spec is handled anew.
@@ -329,6 +381,7 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
                 start_autoscaler(state, key, parsed, status, body)
             else:
                 autoscaler.reconfigure(parsed)
+        sync_spec_replicas(body, spec, patch, replicas, previous_mode, mode_of(parsed))
         patch.status["selector"] = selector_string(name)
         patch.status["mode"] = mode_of(parsed)
         patch.status["observedGeneration"] = meta.get("generation")
@@ -398,9 +451,15 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
         if now - state.last_resync.get(key, -1e18) >= config.pod_resync_s:
             state.last_resync[key] = now
             resync_pods(state, key, autoscaler)
-        new_status = decision_round(state, key, autoscaler, body=body, meta=meta, status=status)
+        new_status, replicas = decision_round(
+            state, key, autoscaler, body=body, meta=meta, status=status
+        )
         for k, v in new_status.items():
             patch.status[k] = v
+        # In auto mode the scale subresource's spec follows the count the operator set.
+        auto = mode_of(autoscaler.spec) == "auto"
+        if auto and replicas is not None and spec.get("replicas") != replicas:
+            patch.spec["replicas"] = replicas
 
     def timer_autoscaler(
         key: Key, spec: kopf.Spec, status: kopf.Status, body: kopf.Body
@@ -420,6 +479,45 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
     return registry
 
 
+def sync_spec_replicas(
+    body: kopf.Body,
+    spec: kopf.Spec,
+    patch: kopf.Patch,
+    replicas: int,
+    previous_mode: str | None,
+    mode: str,
+) -> None:
+    """Make ``spec.replicas`` (the scale subresource's spec) show the Deployment's count.
+
+    In auto mode the operator owns the count: a ``kubectl scale`` is undone (with an
+    event that says so). Leaving auto keeps the count, which ``spec.replicas`` then
+    holds, so that it goes on ruling at the same value.
+    """
+    requested = spec.get("replicas")
+    if requested == replicas:
+        return
+    patch.spec["replicas"] = replicas
+    if mode == "auto" and previous_mode == "auto" and isinstance(requested, int):
+        kopf.info(
+            body,
+            reason="ReplicasOwnedByAutoscaler",
+            message=(
+                f"spec.replicas {requested} is not applied: in auto mode the operator sets "
+                f"the replica count ({replicas}); change autoscaling.minReplicas/maxReplicas, "
+                "or switch to advisory mode to set it yourself"
+            ),
+        )
+    elif mode != "auto" and previous_mode == "auto":
+        kopf.info(
+            body,
+            reason="ReplicasKept",
+            message=(
+                f"autoscaling is now {mode}: the replica count stays at {replicas} "
+                "(spec.replicas set to it); scale with kubectl scale from here"
+            ),
+        )
+
+
 def decision_round(
     state: ControllerState,
     key: Key,
@@ -428,14 +526,18 @@ def decision_round(
     body: kopf.Body,
     meta: kopf.Meta,
     status: kopf.Status,
-) -> dict[str, Any]:
-    """Decide once, apply it (auto mode), post its event; returns the status patch."""
+) -> tuple[dict[str, Any], int | None]:
+    """Decide once, apply it (auto mode), post its event.
+
+    Returns the status patch and the Deployment's replica count after the round
+    (None when the Deployment could not be read).
+    """
     namespace, name = key
     label = deployment_label(key)
     spec = autoscaler.spec
     uid = str(meta.get("uid", ""))
     started = time.perf_counter()
-    existing, api_error = read_or_restore_children(state, key, uid, spec)
+    existing, api_error = read_or_restore_children(state, key, uid, spec, body)
     dep_spec = (existing or {}).get("spec") or {}
     dep_status = (existing or {}).get("status") or {}
     current = dep_spec.get("replicas")
@@ -447,19 +549,17 @@ def decision_round(
     decision = result.decision
     applied = False
     desired = current if current is not None else spec.replicas
+    replicas_now = current
     if decision is not None:
         desired = decision.desired_replicas
-        if decision.apply and existing is not None:
-            try:
-                state.kube.apply(build_deployment(name, namespace, uid, spec, desired))
-                applied = True
-            except ApiException as exc:
-                api_error = f"scaling the Deployment failed: {exc.status} {exc.reason}"
-                state.metrics.counter("stepscale_kubernetes_api_errors_total").labels(
-                    label, "scale"
-                ).inc()
         event = scaling_event(decision, applied)
-        if state.events.admit(key, decision, event) and event is not None:
+        if decision.apply and existing is not None and decision.action != "hold":
+            applied, event, refused = scale(state, key, uid, spec, decision)
+            replicas_now = decision.desired_replicas if applied else current
+            api_error = refused or api_error
+        elif not state.events.admit(key, decision, event):
+            event = None
+        if event is not None:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message)
         state.metrics.counter("stepscale_scaling_decisions_total").labels(
             label, decision.action, str(applied).lower()
@@ -506,31 +606,83 @@ def decision_round(
         endpoints=result.endpoints,
         ready=result.ready,
     )
-    return new_status
+    return new_status, replicas_now
+
+
+def scale(
+    state: ControllerState,
+    key: Key,
+    uid: str,
+    spec: VllmDeploymentSpec,
+    decision: Decision,
+) -> tuple[bool, ScalingEvent | None, str | None]:
+    """Set the Deployment's replicas to the decision's (auto mode), backing off after
+    a refusal.
+
+    Returns whether it was applied, the event to post (if any) and the refusal to
+    report (if any).
+    A refusal is reported with the server's message; its event goes out once per
+    streak of refusals, and no attempt is made until the back-off has passed.
+    """
+    namespace, name = key
+    label = deployment_label(key)
+    now = time.monotonic()
+    replicas = decision.desired_replicas
+    waiting = state.scale_backoff.waiting(key, now)
+    if waiting is not None:
+        return False, None, waiting
+    try:
+        state.kube.apply(build_deployment(name, namespace, uid, spec, replicas))
+    except ApiException as exc:
+        state.metrics.counter("stepscale_kubernetes_api_errors_total").labels(label, "scale").inc()
+        message = (
+            f"the API server refused {decision.current_replicas} -> {replicas} replicas "
+            f"({exc.status}): {server_message(exc)}"
+        )
+        first = state.scale_backoff.refused(key, now, spec.autoscaling.interval_s, message)
+        event = ScalingEvent("Warning", "ScaleFailed", f"{message[:900]}; backing off")
+        return False, event if first else None, message
+    state.scale_backoff.succeeded(key)
+    applied_event = scaling_event(decision, True)
+    if not state.events.admit(key, decision, applied_event):
+        applied_event = None
+    return True, applied_event, None
 
 
 def read_or_restore_children(
-    state: ControllerState, key: Key, uid: str, spec: VllmDeploymentSpec
+    state: ControllerState, key: Key, uid: str, spec: VllmDeploymentSpec, body: kopf.Body
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """The child Deployment (re-created with the Service if it was deleted), or an API error."""
+    """The child Deployment, after re-creating any child deleted behind the operator's
+    back (each one it owns: the Service, the Deployment), or an API error."""
     namespace, name = key
     label = deployment_label(key)
     try:
         existing = state.kube.get_deployment(namespace, name)
+        service = state.kube.get_service(namespace, name)
     except ApiException as exc:
         state.metrics.counter("stepscale_kubernetes_api_errors_total").labels(
-            label, "get_deployment"
+            label, "get_children"
         ).inc()
-        return None, f"reading the Deployment failed: {exc.status} {exc.reason}"
-    if existing is not None:
-        return existing, None
-    # The Deployment was deleted behind our back: put it (and the Service) back.
+        return None, f"reading the children failed: {exc.status} {server_message(exc)}"
+    restored: list[str] = []
     try:
-        existing = state.kube.apply(
-            build_deployment(name, namespace, uid, spec, target_replicas(spec, None))
-        )
-        state.kube.apply(build_service(name, namespace, uid, spec))
+        if service is None:
+            state.kube.apply(build_service(name, namespace, uid, spec))
+            restored.append("Service")
+        if existing is None:
+            # In auto mode spec.replicas follows the count the operator set.
+            replicas = target_replicas(spec, None, None)
+            existing = state.kube.apply(build_deployment(name, namespace, uid, spec, replicas))
+            restored.append("Deployment")
     except ApiException as exc:
         state.metrics.counter("stepscale_kubernetes_api_errors_total").labels(label, "apply").inc()
-        return existing, f"recreating the children failed: {exc.status} {exc.reason}"
+        missing = "Service" if service is None and "Service" not in restored else "Deployment"
+        return existing, (
+            f"the {missing} was deleted and re-creating it failed: "
+            f"{exc.status} {server_message(exc)}"
+        )
+    if restored:
+        message = f"{' and '.join(restored)} {name} deleted behind the operator's back: re-created"
+        log.warning("%s: %s", label, message)
+        kopf.warn(body, reason="ChildRestored", message=message)
     return existing, None

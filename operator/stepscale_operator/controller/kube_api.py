@@ -7,11 +7,12 @@ lists pods:
 * apply (server-side apply, field manager ``stepscale-operator``, forced) a
   Deployment or Service; when the object does not exist and the server does
   not create it on apply (an emulator), create it;
-* read a Deployment;
+* read a Deployment or a Service (to restore one deleted behind the operator's back);
 * list the pods of one ``VllmDeployment`` (to notice deletions a watch missed).
 
 :data:`CLIENT_CALLS` lists exactly these; :mod:`.permissions` adds what kopf
-needs, and the chart's ClusterRole grants that and nothing else.
+needs, and the chart's RBAC (a ClusterRole, or Roles in the watched namespaces)
+grants that and nothing else.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ CLIENT_CALLS: frozenset[tuple[str, str, str]] = frozenset(
         ("apps", "deployments", "get"),
         ("apps", "deployments", "create"),
         ("apps", "deployments", "patch"),
+        ("", "services", "get"),
         ("", "services", "create"),
         ("", "services", "patch"),
         ("", "pods", "list"),
@@ -40,17 +42,29 @@ CLIENT_CALLS: frozenset[tuple[str, str, str]] = frozenset(
 )
 
 
-def api_client_from_environment(host: str | None = None) -> client.ApiClient:
-    """An API client: ``host`` if given (tests), else in-cluster, else the kubeconfig."""
-    if host is not None:
-        configuration = client.Configuration()
-        configuration.host = host
-        return client.ApiClient(configuration)
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()
-    else:
-        config.load_kube_config()
-    return client.ApiClient()
+def client_configuration() -> client.Configuration:
+    """Where the API server is and who the operator is, from the environment.
+
+    In a pod (``KUBERNETES_SERVICE_HOST`` set and a service-account token mounted)
+    the service account, else the kubeconfig (``KUBECONFIG``, read now, or
+    ``~/.kube/config``). Raises :class:`kubernetes.config.ConfigException` when
+    there is neither. Both the child-object client and kopf (``entry.login``) log
+    in with it, so that they act as one user.
+    """
+    configuration = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except config.ConfigException:
+        config.load_kube_config(
+            config_file=os.environ.get("KUBECONFIG") or "~/.kube/config",
+            client_configuration=configuration,
+        )
+    return configuration
+
+
+def api_client_from_environment() -> client.ApiClient:
+    """An API client logged in as :func:`client_configuration` says."""
+    return client.ApiClient(client_configuration())
 
 
 class KubernetesApi:
@@ -94,13 +108,11 @@ class KubernetesApi:
 
     def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The Deployment ``namespace/name``, or None when it does not exist."""
-        try:
-            response = self.apps.read_namespaced_deployment(name, namespace, _preload_content=False)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return _json(response)
+        return _read_or_none(self.apps.read_namespaced_deployment, namespace, name)
+
+    def get_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Service ``namespace/name``, or None when it does not exist."""
+        return _read_or_none(self.core.read_namespaced_service, namespace, name)
 
     def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """The pods of ``namespace`` that match ``label_selector``."""
@@ -113,6 +125,16 @@ class KubernetesApi:
     def close(self) -> None:
         """Release the client's connection pool."""
         self.api_client.close()
+
+
+def _read_or_none(read: Any, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        response = read(name, namespace, _preload_content=False)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return _json(response)
 
 
 def _json(response: Any) -> dict[str, Any]:

@@ -1,9 +1,13 @@
 """Every Kubernetes permission the operator needs, and why (pure).
 
-The chart's ClusterRole (``charts/stepscale/templates/rbac.yaml``) grants
-exactly :func:`required_rules`; ``tests/operator/test_chart.py`` compares the
-rendered role with it, and the operator tests check that every request the
-running operator makes is covered by it.
+The chart (``charts/stepscale/templates/rbac.yaml``) grants exactly
+:func:`required_rules`: cluster-wide (no ``watchNamespaces``) as a ClusterRole
+bound cluster-wide; limited to namespaces as a Role in each watched namespace and
+nothing cluster-scoped (kopf's cluster scanning is off then, see
+``entry.run_operator``). ``tests/operator/test_chart.py`` compares the rendered
+roles with it, and the operator tests check that every request the running
+operator makes, in either mode, is covered by it and (namespaced) stays in the
+watched namespaces.
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ KOPF_CALLS: frozenset[Call] = frozenset(
         ("", "pods", "watch"),
         # Events (kopf.info/warn and kopf's own handler failures).
         ("", "events", "create"),
-        # Cluster scanning: kopf notices CRDs appearing and disappearing.
+    }
+)
+
+# Cluster scanning, cluster-wide only: kopf notices CRDs appearing and disappearing.
+# (Namespaced, scanning is off: the namespaces are the ones named, and the CRD is
+# installed before the operator starts, as the chart does.)
+SCANNING_CALLS: frozenset[Call] = frozenset(
+    {
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
     }
@@ -48,7 +59,8 @@ def peering_calls(namespaced: bool) -> frozenset[Call]:
 
 def required_calls(namespaced: bool) -> frozenset[Call]:
     """Every (group, resource, verb) the operator needs."""
-    return CLIENT_CALLS | KOPF_CALLS | ADMISSION_CALLS | peering_calls(namespaced)
+    calls = CLIENT_CALLS | KOPF_CALLS | ADMISSION_CALLS | peering_calls(namespaced)
+    return calls if namespaced else calls | SCANNING_CALLS
 
 
 def required_rules(namespaced: bool) -> dict[tuple[str, str], frozenset[str]]:

@@ -3,6 +3,8 @@
 * :func:`scaling_event`: the Kubernetes Event a decision deserves, if any;
   :class:`EventGate` keeps a round that repeats the previous recommendation
   from posting it again (advisory mode would otherwise post every interval).
+* :class:`ScaleBackoff`: after the API server refuses a replica count, wait
+  longer and longer before trying again, and report one failure per streak;
 * :func:`observe_metrics`: the declared metrics of one deployment after a round.
   Counters advance by the increase of monotonic totals; a gauge whose value is
   gone (no prediction, no fitted coefficient) loses its series instead of
@@ -80,6 +82,48 @@ class EventGate:
     def forget(self, key: Any) -> None:
         """The deployment is no longer decided for here."""
         self.last.pop(key, None)
+
+
+@dataclass
+class _Refusals:
+    count: int  # consecutive refused scalings
+    retry_at: float  # no new attempt before this (monotonic seconds)
+    message: str  # what the API server said the last time
+
+
+@dataclass
+class ScaleBackoff:
+    """Backs off after the API server refuses to scale (a quota, an admission policy).
+
+    The first refusal waits ``base_s``, each further one twice as long, up to
+    ``max_s``; a successful scaling ends the streak. While it waits no scaling is
+    attempted, whatever the planner's target, so that a refused count and its
+    neighbours are not tried (and reported) by turns every round.
+    """
+
+    max_s: float = 300.0
+    refusals: dict[Any, _Refusals] = field(default_factory=dict)
+
+    def waiting(self, key: Any, now: float) -> str | None:
+        """The last refusal's message while the next attempt must wait, else None."""
+        r = self.refusals.get(key)
+        if r is None or now >= r.retry_at:
+            return None
+        return f"{r.message}; next attempt in {r.retry_at - now:.0f} s"
+
+    def refused(self, key: Any, now: float, base_s: float, message: str) -> bool:
+        """Record a refusal; True when it starts a streak (the one to post an event for)."""
+        r = self.refusals.get(key)
+        count = 1 if r is None else r.count + 1
+        delay = min(self.max_s, base_s * 2 ** (count - 1))
+        self.refusals[key] = _Refusals(count, now + delay, message)
+        return count == 1
+
+    def succeeded(self, key: Any) -> None:
+        """A scaling went through: the streak is over."""
+        self.refusals.pop(key, None)
+
+    forget = succeeded
 
 
 def observe_metrics(

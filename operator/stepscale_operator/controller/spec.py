@@ -29,6 +29,8 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 RESERVED_ENV_PREFIX = "STEPSCALE_FPM_"
 DEFAULT_FPM_BASE_PORT = 20380
 MAX_DATA_PARALLEL = 64
+# A day: longer is a typo (1e10 overflowed the startup probe's int32 failureThreshold).
+MAX_STARTUP_S = 86400.0
 # spec.autoscaling.initialCoefficients keys (camelCase) -> cost model coefficient names
 # (decode_requests -> decodeRequests, compute.tokens -> computeTokens).
 COEFFICIENT_FIELDS: dict[str, str] = {
@@ -57,13 +59,35 @@ MSG_SEQS_TOKENS = (
 # A Kubernetes resource quantity (500m, 4, 16Gi, 1e3), the same pattern as the CRD's
 # resources.cpu/memory (no backslashes: it reads the same in Go's RE2 and in Python).
 QUANTITY_PATTERN = (
-    "^([0-9]+([.][0-9]*)?|[.][0-9]+)"
+    "^[+]?([0-9]+([.][0-9]*)?|[.][0-9]+)"
     "([KMGTPE]i|[numkMGTPE]|[eE][+-]?([0-9]+([.][0-9]*)?|[.][0-9]+))?$"
 )
 _QUANTITY = re.compile(QUANTITY_PATTERN)
 MSG_RESERVED_ENV = (
     "env must not set STEPSCALE_FPM_* variables: the operator sets them from fpm and the pod name"
 )
+# metadata.name: the child Service is named after it (a DNS-1035 label) and the pods'
+# selector label carries it (at most 63 characters). The CRD checks the same.
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_NAME = re.compile(NAME_PATTERN)
+MAX_NAME_LENGTH = 63
+MSG_NAME_LENGTH = (
+    "metadata.name must be at most 63 characters: the Service and the pods' selector "
+    "label are named after it"
+)
+MSG_NAME_LABEL = (
+    "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
+    "with a letter and ending with a letter or digit; no dots): the Service is named after it"
+)
+
+
+def name_problems(name: str) -> list[str]:
+    """What is wrong with a ``VllmDeployment``'s name (the CRD's rules on metadata.name)."""
+    if len(name) > MAX_NAME_LENGTH:
+        return [f"{MSG_NAME_LENGTH} ({name!r} has {len(name)})"]
+    if not _NAME.match(name):
+        return [f"{MSG_NAME_LABEL} (got {name!r})"]
+    return []
 
 
 class SpecError(ValueError):
@@ -178,6 +202,10 @@ class VllmDeploymentSpec:
     def fpm_ports(self) -> list[int]:
         """The FPM port of each data-parallel rank."""
         return [self.fpm_base_port + r for r in range(self.data_parallel_size)]
+
+    def mode(self) -> str:
+        """``auto``, ``advisory`` or ``disabled``: who sets the replica count."""
+        return self.autoscaling.mode if self.autoscaling.enabled else "disabled"
 
     def initial_replicas(self) -> int:
         """Replicas to start with: ``spec.replicas``, clamped to the autoscaling range."""
@@ -328,6 +356,15 @@ class _Reader:
         return value
 
 
+def default_gpus(raw: Mapping[str, Any]) -> int:
+    """``resources.gpus`` when not given: one per rank, tensorParallelSize * dataParallelSize
+    (1 when either is not a positive integer: the parser reports that)."""
+    sizes = [raw.get("tensorParallelSize", 1), raw.get("dataParallelSize", 1)]
+    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+        return int(sizes[0] * sizes[1])
+    return 1
+
+
 def parse_spec(raw: Mapping[str, Any] | None) -> VllmDeploymentSpec:
     """Parse ``.spec`` of a ``VllmDeployment``; raises :class:`SpecError` listing every problem."""
     problems: list[str] = []
@@ -357,7 +394,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> VllmDeploymentSpec:
 
     res = r.section(raw, "resources", p)
     resources = ResourcesSpec(
-        gpus=r.integer(res, "gpus", f"{p}.resources", 1, 0),
+        gpus=r.integer(res, "gpus", f"{p}.resources", default_gpus(raw), 0),
         cpu=_quantity(r, res, "cpu", f"{p}.resources"),
         memory=_quantity(r, res, "memory", f"{p}.resources"),
     )
@@ -461,7 +498,7 @@ def _parse_autoscaling(r: _Reader, raw: Mapping[str, Any], p: str) -> Autoscalin
         scale_down_max_step=r.integer(down, "maxStep", f"{p}.scaleDown", 1, 1),
         burst_memory_s=r.number(bursts, "memorySeconds", f"{p}.bursts", 900.0, 0.0),
         recurring_bursts=r.integer(bursts, "recurringAfter", f"{p}.bursts", 3, 0),
-        startup_s=r.number(raw, "startupSeconds", p, 120.0, 0.0),
+        startup_s=r.number(raw, "startupSeconds", p, 120.0, 0.0, MAX_STARTUP_S),
         load_window_s=r.number(metrics, "windowSeconds", f"{p}.metrics", 30.0, 1.0),
         stale_after_s=r.number(metrics, "staleAfterSeconds", f"{p}.metrics", 3.0, 1.0),
         cost_model=CostModelSpec(
