@@ -40,7 +40,7 @@ for the load expected one pod start-up ahead. On top of that:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from stepscale_engine.wire import ScheduledRequestMetrics
@@ -57,6 +57,14 @@ from stepscale_operator.latency_model import (
     smallest_replicas_within_slo,
 )
 from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.planner_stages import (
+    BurstFloor,
+    CapacityNeed,
+    Demand,
+    FleetNow,
+    Floors,
+    Verdict,
+)
 
 
 class _RememberedPredictions:
@@ -247,6 +255,14 @@ class _Recommendation:
     replicas: int
 
 
+@dataclass(frozen=True)
+class _Backlog:
+    ratio: float  # arrivals over served (the demand ratio)
+    extra: int  # replicas that drain the queue within the drain time
+    queued: float  # queued prefill tokens now
+    growth: float  # their change per second over the window
+
+
 def _recurring_words(burst: RecurringBurst, now: float) -> str:
     """Why capacity waits for a recurring burst, in words."""
     due = burst.next_onset - now
@@ -298,17 +314,78 @@ class Planner:
         self._recurrence.restore(onsets)
 
     def decide(self, inputs: PlannerInputs, now: float) -> Decision:
-        """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``)."""
-        policy = self.policy
-        timed_out = sum(
-            1 for t in inputs.replicas.starting_since if now - t > policy.starting_timeout_s
+        """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``).
+
+        The stages, in order: the fleet (and the spec's bounds), whether the data
+        may be judged at all, the demand, the capacity it needs, the floors
+        (backlog, bursts, pods stuck starting, bounds), then scale up, scale down
+        (the stabilization window) or hold. The binding stage gives the reason.
+        """
+        fleet = self._fleet(inputs, now)
+        record = self._base_record(inputs, fleet, now)
+        if fleet.total > fleet.high:
+            return self._clamp_to_max(inputs, now, fleet, record)
+        stale_reason = self._stale_reason(inputs, now)
+        if stale_reason:
+            return self._hold_or_raise_to_min(
+                inputs, now, fleet, record, f"{stale_reason}; never scale down on missing data"
+            )
+        if not inputs.model_ready:
+            return self._queue_rule(inputs, now, fleet, record)
+        # The stabilization window counts from the first decision made on the model
+        # with fresh data: the queue rule and stale holds never justify scale-down.
+        if self._first_decision_time is None:
+            self._first_decision_time = now
+
+        demand = self._demand(inputs, now)
+        predict = self._predictions(inputs)
+        need = self._capacity_need(inputs, demand, fleet, predict)
+        # Bursts are judged, and remembered, on the measured load's need: not on a
+        # forecast or a backlog allowance, which would keep an overshoot.
+        bursts = self._burst_floor(now, need.measured_need, demand.horizon_s)
+        floors = self._floors(need, demand, bursts, fleet)
+        for part in (demand, need, bursts, floors):
+            record.update(part.record())
+        confidence = max(0.0, 1.0 - 2.0 * (inputs.model_mape or 0.0)) * (
+            1.0 if need.reachable else 0.5
         )
-        total = inputs.replicas.ready + len(inputs.replicas.starting_since)
-        coming = total - timed_out  # capacity that is serving or will be
-        record: dict[str, object] = {
-            "ready": inputs.replicas.ready,
-            "starting": len(inputs.replicas.starting_since),
-            "starting_timed_out": timed_out,
+        if floors.needed + fleet.timed_out > fleet.total or fleet.total < fleet.low:
+            verdict = self._scale_up(inputs, now, fleet, demand, need, bursts, floors)
+        else:
+            verdict = self._scale_down_or_hold(now, fleet, need, bursts, floors, record)
+        record["predictions_load"] = verdict.basis
+        load = demand.measured if verdict.basis == "measured" else demand.planned
+        return self._finish(
+            inputs,
+            now,
+            fleet.total,
+            verdict.desired,
+            verdict.reason,
+            confidence,
+            record,
+            predict(fleet.ready, load),
+            predict(verdict.serving_after, load),
+        )
+
+    # -- stages ------------------------------------------------------------------
+
+    def _fleet(self, inputs: PlannerInputs, now: float) -> FleetNow:
+        """The replicas now and the bounds (maxReplicas never below minReplicas)."""
+        timed_out = sum(
+            1 for t in inputs.replicas.starting_since if now - t > self.policy.starting_timeout_s
+        )
+        return FleetNow(
+            ready=inputs.replicas.ready,
+            starting=len(inputs.replicas.starting_since),
+            timed_out=timed_out,
+            low=inputs.min_replicas,
+            high=max(inputs.max_replicas, inputs.min_replicas),
+        )
+
+    def _base_record(self, inputs: PlannerInputs, fleet: FleetNow, now: float) -> dict[str, object]:
+        """What every decision records of its inputs."""
+        return {
+            **fleet.record(),
             "model_ready": inputs.model_ready,
             "model_mape": inputs.model_mape,
             "load": inputs.load.to_dict() if inputs.load is not None else None,
@@ -318,36 +395,31 @@ class Planner:
             "max_replicas": inputs.max_replicas,
             "engine": asdict(inputs.engine),
             "pod_startup_s": inputs.pod_startup_s,
-            "policy": asdict(policy),
+            "policy": asdict(self.policy),
         }
-        lo, hi = inputs.min_replicas, max(inputs.max_replicas, inputs.min_replicas)
 
-        if total > hi:
-            return self._clamp_to_max(inputs, now, total, hi, record)
+    def _predictions(
+        self, inputs: PlannerInputs
+    ) -> Callable[[int, LoadEstimate], LatencyPrediction]:
+        """Predicted latency at ``n`` replicas for a load (one cache per decision)."""
+        predictor = _RememberedPredictions(inputs.predictor)
 
-        stale_reason = self._stale_reason(inputs, now)
-        if stale_reason:
-            return self._hold_or_raise_to_min(
-                inputs, now, total, lo, record, f"{stale_reason}; never scale down on missing data"
-            )
+        def prediction(n: int, load: LoadEstimate) -> LatencyPrediction:
+            if n <= 0:
+                return no_replicas_prediction()
+            per = PerReplicaLoad.from_estimate(load, n)
+            return predict_latency(predictor, per, inputs.engine, self.policy, n)
+
+        return prediction
+
+    def _demand(self, inputs: PlannerInputs, now: float) -> Demand:
+        """The served load corrected by the queue's growth, and the load one horizon ahead."""
+        policy = self.policy
         assert inputs.load is not None
-
-        if not inputs.model_ready:
-            return self._queue_rule(inputs, now, total, lo, hi, record)
-
-        # The stabilization window counts from the first decision made on the model
-        # with fresh data: the queue rule and stale holds never justify scale-down.
-        if self._first_decision_time is None:
-            self._first_decision_time = now
-        mape = inputs.model_mape if inputs.model_mape is not None else 0.0
-        margin = policy.margin + min(
-            policy.model_error_weight * max(mape, 0.0), policy.max_model_error_margin
-        )
         horizon = inputs.pod_startup_s + policy.lookahead_extra_s
-        measured_raw = inputs.load
-        demand_ratio, backlog_replicas = self._backlog(inputs, record)
-        measured = with_demand(measured_raw, demand_ratio)
-        if demand_ratio < 1.0:
+        backlog = self._backlog(inputs)
+        measured = with_demand(inputs.load, backlog.ratio)
+        if backlog.ratio < 1.0:
             # Draining a backlog: the served rate rises as the queue empties, and
             # that rise is the drain, not arrivals; it must not be extrapolated.
             measured = replace(
@@ -355,122 +427,143 @@ class Planner:
                 prefill_tokens_per_s_trend=min(measured.prefill_tokens_per_s_trend, 0.0),
                 decode_tokens_per_s_trend=min(measured.decode_tokens_per_s_trend, 0.0),
             )
-        planned = self._persistent_forecast(measured, horizon, now, record)
-        record["planned_load"] = planned.to_dict()
-        record["effective_margin"] = margin
-        record["lookahead_s"] = horizon
+        planned, forecast_ratio, long_ratio = self._persistent_forecast(measured, horizon, now)
+        survivors, mix_ratio = self._with_heavier_mix(measured, now)
+        reason = f"the load {horizon:.0f}s ahead"
+        return Demand(
+            measured=measured,
+            planned=planned,
+            survivors=survivors,
+            horizon_s=horizon,
+            demand_ratio=backlog.ratio,
+            backlog_replicas=backlog.extra,
+            queued_prefill_tokens=backlog.queued,
+            queue_growth_tokens_per_s=backlog.growth,
+            forecast_ratio=forecast_ratio,
+            long_trend_ratio=long_ratio,
+            mix_ratio=mix_ratio,
+            reason=reason,
+        )
 
-        predictor = _RememberedPredictions(inputs.predictor)
+    def _capacity_need(
+        self,
+        inputs: PlannerInputs,
+        demand: Demand,
+        fleet: FleetNow,
+        predict: Callable[[int, LoadEstimate], LatencyPrediction],
+    ) -> CapacityNeed:
+        """Smallest counts within the SLO less the margin: for the planned load (scale
+        up), the survivors' load with hysteresis (scale down), and the measured demand
+        with headroom but no trend (what a burst memory keeps)."""
+        policy = self.policy
+        mape = inputs.model_mape if inputs.model_mape is not None else 0.0
+        margin = policy.margin + min(
+            policy.model_error_weight * max(mape, 0.0), policy.max_model_error_margin
+        )
+        search_high = max(fleet.high, fleet.coming, 1)
+        if demand.idle:
+            return CapacityNeed(0, True, 0, 0, margin, search_high, 0.0, "nothing to serve")
+        slo = inputs.slo
+        needed, reachable = smallest_replicas_within_slo(
+            lambda n: predict(n, demand.planned).within(slo, margin), 1, search_high
+        )
+        # Removing capacity is judged on the measured load, not on a forecast:
+        # survivors must carry today's load with the wider margin.
+        down_ok, _ = smallest_replicas_within_slo(
+            lambda n: predict(n, demand.survivors).within(slo, margin + policy.hysteresis),
+            1,
+            search_high,
+        )
+        steady = with_demand(demand.measured, max(policy.min_lookahead_ratio, 1.0))
+        measured_need, _ = smallest_replicas_within_slo(
+            lambda n: predict(n, steady).within(slo, margin), 1, search_high
+        )
+        reason = (
+            f"{needed} needed for {demand.reason} within the SLO less {margin:.0%} margin"
+            if reachable
+            else f"SLO not reachable even at {search_high}"
+        )
+        return CapacityNeed(
+            needed, reachable, down_ok, measured_need, margin, search_high, 0.0, reason
+        )
 
-        def prediction(n: int, load: LoadEstimate = planned) -> LatencyPrediction:
-            if n <= 0:
-                return no_replicas_prediction()
-            return predict_latency(
-                predictor,
-                PerReplicaLoad.from_estimate(load, n),
-                inputs.engine,
-                policy,
-                n,
-            )
-
-        def reported(
-            basis: str, desired_serving: int
-        ) -> tuple[LatencyPrediction, LatencyPrediction]:
-            # Both predictions of a decision use the same load: the one it was judged on.
-            record["predictions_load"] = basis
-            load = measured if basis == "measured" else planned
-            return prediction(inputs.replicas.ready, load), prediction(desired_serving, load)
-
-        search_high = max(hi, coming, 1)
-        if planned.prefill_tokens_per_s <= 0.0 and planned.decode_tokens_per_s <= 0.0:
-            needed, reachable = 0, True
-            down_ok = measured_need = 0
-        else:
-            needed, reachable = smallest_replicas_within_slo(
-                lambda n: prediction(n).within(inputs.slo, margin), 1, search_high
-            )
-            # Removing capacity is judged on the measured load, not on a forecast:
-            # survivors must carry today's load with the wider margin.
-            survivors_load = self._with_heavier_mix(measured, now, record)
-            down_ok, _ = smallest_replicas_within_slo(
-                lambda n: prediction(n, survivors_load).within(
-                    inputs.slo, margin + policy.hysteresis
-                ),
-                1,
-                search_high,
-            )
-            # What the measured demand needs, with the look-ahead headroom but no
-            # trend: the need a burst memory keeps.
-            steady = with_demand(measured, max(policy.min_lookahead_ratio, 1.0))
-            measured_need, _ = smallest_replicas_within_slo(
-                lambda n: prediction(n, steady).within(inputs.slo, margin), 1, search_high
-            )
-        # Bursts are judged, and remembered, on the measured load's need: not on a
-        # forecast or a backlog allowance, which would keep an overshoot.
-        burst_floor, prepared = self._burst_floor(now, measured_need, horizon, record)
+    def _floors(
+        self, need: CapacityNeed, demand: Demand, bursts: BurstFloor, fleet: FleetNow
+    ) -> Floors:
+        """The need with the backlog allowance and the burst floor; the scale-down floor."""
         # What the stabilization window remembers: the measured load's floor (and a
         # burst's peak). The forecast's need counts for the decision at hand only:
         # remembered, the window's maximum of a noisy look-ahead would add its
         # headroom on top of the look-ahead's own (on the Azure trace the held count
         # sat 1-2 replicas above what any measured window needed).
-        measured_floor = max(down_ok, burst_floor)
-        down_ok = max(down_ok, needed)
-        load_floor = max(down_ok + timed_out, lo)
-        down_ok = max(down_ok, burst_floor)
-        needed = min(needed + backlog_replicas, search_high)
+        measured_floor = max(need.down_ok, bursts.floor)
+        down_ok = max(need.down_ok, need.needed)
+        load_floor = max(down_ok + fleet.timed_out, fleet.low)
+        down_ok = max(down_ok, bursts.floor)
+        needed = min(need.needed + demand.backlog_replicas, need.search_high)
         # A recurring burst due within a start-up: its peak is needed now.
-        for_burst = prepared is not None and burst_floor > needed
+        for_burst = bursts.prepared is not None and bursts.floor > needed
         if for_burst:
-            needed = min(burst_floor, search_high)
-        record["needed_replicas"] = needed
-        record["scale_down_floor"] = down_ok
-        record["measured_floor"] = measured_floor
-        confidence = max(0.0, 1.0 - 2.0 * mape) * (1.0 if reachable else 0.5)
+            needed = min(bursts.floor, need.search_high)
+        return Floors(needed, for_burst, down_ok, measured_floor, load_floor)
 
-        if needed + timed_out > total or total < lo:
-            target = max(needed + timed_out, lo)
-            # The surge limits growth; the spec's bounds always apply.
-            desired = max(min(target, total + policy.max_surge, hi), lo)
-            self._remember(now, desired)
-            if needed + timed_out > total:
-                head = "scale up" if desired > total else f"hold at maxReplicas {hi}"
-                if for_burst:
-                    assert prepared is not None
-                    why = f"{head}: {_recurring_words(prepared, now)}; pods take " + (
-                        f"{inputs.pod_startup_s:.0f}s to start"
-                    )
-                else:
-                    why = (
-                        f"{head}: predicted latency at {coming} replicas exceeds the SLO "
-                        f"less {margin:.0%} margin for the load {horizon:.0f}s ahead; "
-                        f"{needed} needed"
-                    )
+    def _scale_up(
+        self,
+        inputs: PlannerInputs,
+        now: float,
+        fleet: FleetNow,
+        demand: Demand,
+        need: CapacityNeed,
+        bursts: BurstFloor,
+        floors: Floors,
+    ) -> Verdict:
+        """More is needed (or the count is below minReplicas): how many, and why."""
+        policy = self.policy
+        total, lo, hi = fleet.total, fleet.low, fleet.high
+        target = max(floors.needed + fleet.timed_out, lo)
+        # The surge limits growth; the spec's bounds always apply.
+        desired = max(min(target, total + policy.max_surge, hi), lo)
+        self._remember(now, desired)
+        if floors.needed + fleet.timed_out > total:
+            head = "scale up" if desired > total else f"hold at maxReplicas {hi}"
+            if floors.for_burst:
+                assert bursts.prepared is not None
+                why = f"{head}: {bursts.reason}; pods take {inputs.pod_startup_s:.0f}s to start"
             else:
                 why = (
-                    f"scale up to minReplicas {lo} (spec bound); {needed} needed for the "
-                    f"load {horizon:.0f}s ahead"
+                    f"{head}: predicted latency at {fleet.coming} replicas exceeds the SLO "
+                    f"less {need.margin:.0%} margin for {demand.reason}; "
+                    f"{floors.needed} needed"
                 )
-            if backlog_replicas:
-                why += f" (incl. {backlog_replicas} to drain the queued prefill backlog)"
-            if timed_out:
-                why += f", plus {timed_out} replacing pods stuck starting"
-            if not reachable:
-                why += f" (SLO not reachable even at {search_high})"
-            if total < desired < target:
-                why += f"; limited to {desired} by max surge/max replicas"
-            return self._finish(
-                inputs,
-                now,
-                total,
-                desired,
-                why,
-                confidence,
-                record,
-                *reported("planned", desired - timed_out),
+        else:
+            why = f"scale up to minReplicas {lo} (spec bound); {floors.needed} needed for " + (
+                demand.reason
             )
+        if demand.backlog_replicas:
+            why += f" (incl. {demand.backlog_replicas} to drain the queued prefill backlog)"
+        if fleet.timed_out:
+            why += f", plus {fleet.timed_out} replacing pods stuck starting"
+        if not need.reachable:
+            why += f" ({need.reason})"
+        if total < desired < target:
+            why += f"; limited to {desired} by max surge/max replicas"
+        return Verdict(desired, why, "planned", desired - fleet.timed_out)
 
-        candidate = max(down_ok + timed_out, lo)
-        self._remember(now, max(measured_floor + timed_out, lo))
+    def _scale_down_or_hold(
+        self,
+        now: float,
+        fleet: FleetNow,
+        need: CapacityNeed,
+        bursts: BurstFloor,
+        floors: Floors,
+        record: dict[str, object],
+    ) -> Verdict:
+        """Fewer may do: scale down once the whole stabilization window agrees, else hold."""
+        policy = self.policy
+        total, lo = fleet.total, fleet.low
+        assert self._first_decision_time is not None
+        candidate = max(floors.scale_down_floor + fleet.timed_out, lo)
+        self._remember(now, max(floors.measured_floor + fleet.timed_out, lo))
         stabilised = max(r.replicas for r in self._history)
         window_covered = now - self._first_decision_time >= max(
             policy.scale_down_stabilization_s, policy.initial_hold_s
@@ -478,62 +571,40 @@ class Planner:
         record["stabilised_recommendation"] = stabilised
         if candidate < total and window_covered and stabilised < total:
             desired = max(stabilised, candidate, total - policy.scale_down_step, lo)
-            n_after = desired - timed_out
+            n_after = desired - fleet.timed_out
             why = (
                 f"scale down {total} -> {desired}: the measured load split over {n_after} "
-                f"replicas (now {inputs.replicas.ready} serving) is predicted within the SLO "
-                f"less {margin + policy.hysteresis:.0%}, for the whole "
+                f"replicas (now {fleet.ready} serving) is predicted within the SLO "
+                f"less {need.margin + policy.hysteresis:.0%}, for the whole "
                 f"{policy.scale_down_stabilization_s:.0f}s stabilization window"
             )
-            return self._finish(
-                inputs,
-                now,
-                total,
-                desired,
-                why,
-                confidence,
-                record,
-                *reported("measured", n_after),
-            )
-        if load_floor < total <= burst_floor + timed_out and prepared is not None:
-            why = f"hold: {_recurring_words(prepared, now)}"
-        elif load_floor < total <= burst_floor + timed_out:
-            ago = now - (self._last_burst if self._last_burst is not None else now)
-            why = (
-                f"hold: a burst faster than pod start-up was seen {ago:.0f}s ago; "
-                f"its peak need ({burst_floor}) is kept for {policy.burst_memory_s:.0f}s"
-            )
+            return Verdict(desired, why, "measured", n_after)
+        held_by_burst = floors.load_floor < total <= bursts.floor + fleet.timed_out
+        if held_by_burst:
+            why = f"hold: {bursts.reason}"
         elif candidate < total:
             why = (
                 f"hold: {candidate} would do, but scale-down waits for the "
                 f"{policy.scale_down_stabilization_s:.0f}s stabilization window "
                 f"(highest recent recommendation {stabilised})"
             )
-        elif not reachable:
+        elif not need.reachable:
             why = (
-                f"hold at maxReplicas {hi}: predicted latency exceeds the SLO less "
-                f"{margin:.0%} margin even at {search_high} (SLO not reachable)"
+                f"hold at maxReplicas {fleet.high}: predicted latency exceeds the SLO less "
+                f"{need.margin:.0%} margin even at {need.search_high} (SLO not reachable)"
             )
         else:
             why = f"hold: {total} replicas meet the SLO with margin; fewer would not"
         # lo <= total <= hi here: a hold never changes the count.
-        return self._finish(
-            inputs,
-            now,
-            total,
-            total,
-            why,
-            confidence,
-            record,
-            *reported("planned", coming),
-        )
+        return Verdict(total, why, "planned", fleet.coming)
 
     # -- pieces ------------------------------------------------------------------
 
     def _persistent_forecast(
-        self, measured: LoadEstimate, horizon: float, now: float, record: dict[str, object]
-    ) -> LoadEstimate:
-        """The trend forecast, raised only as far as it held over the persistence window.
+        self, measured: LoadEstimate, horizon: float, now: float
+    ) -> tuple[LoadEstimate, float, float | None]:
+        """The trend forecast, raised only as far as it held over the persistence window;
+        with the ratio it raised the load by and the long trend's bound.
 
         A trend fitted on a 30 s window is noisy; one that persists for a few
         decisions is a ramp. Fast up (a persistent rise is followed at once),
@@ -550,18 +621,17 @@ class Planner:
         long_ratio = self._long_trend_ratio(base, horizon, now)
         if long_ratio is not None:
             held = min(held, long_ratio)
-        record["long_trend_ratio"] = long_ratio
         floor = max(policy.min_lookahead_ratio, 1.0)
-        record["forecast_ratio"] = max(held, floor)
+        forecast_ratio = max(held, floor)
         if held >= ratio and ratio >= floor:
-            return ahead
-        return with_demand(measured, max(held, floor))
+            return ahead, forecast_ratio, long_ratio
+        return with_demand(measured, forecast_ratio), forecast_ratio, long_ratio
 
     def _with_heavier_mix(
-        self, load: LoadEstimate, now: float, record: dict[str, object]
-    ) -> LoadEstimate:
+        self, load: LoadEstimate, now: float
+    ) -> tuple[LoadEstimate, float | None]:
         """``load`` at its request rate, with the heavier of its own prompt length and
-        the mean prompt length over ``mix_memory_s``.
+        the mean prompt length over ``mix_memory_s``; and that ratio (None: no memory).
 
         Only scale-down is judged on it: prompts shorter than usual let the fleet
         shrink, and the usual ones coming back at the same request rate is a rise
@@ -572,24 +642,25 @@ class Planner:
         """
         window = self.policy.mix_memory_s
         rate = load.prefill_requests_per_s
-        record["mix_ratio"] = None
         if window <= 0.0 or rate <= 0.0:
-            return load
+            return load, None
         prefill_each = load.prefill_tokens_per_s / rate
         self._mix.append((now, prefill_each))
         self._mix = [m for m in self._mix if m[0] >= now - window]
         usual_prefill = sum(m[1] for m in self._mix) / len(self._mix)
         ratio = max(usual_prefill / prefill_each, 1.0) if prefill_each > 0.0 else 1.0
-        record["mix_ratio"] = ratio
         if ratio == 1.0:
-            return load
-        return replace(
-            load,
-            prefill_tokens_per_s=load.prefill_tokens_per_s * ratio,
-            prefill_cached_tokens_per_s=load.prefill_cached_tokens_per_s * ratio,
-            mean_prompt_tokens=load.mean_prompt_tokens * ratio,
-            # The decode context is mostly the prompt: it scales with it.
-            mean_decode_context_tokens=load.mean_decode_context_tokens * ratio,
+            return load, ratio
+        return (
+            replace(
+                load,
+                prefill_tokens_per_s=load.prefill_tokens_per_s * ratio,
+                prefill_cached_tokens_per_s=load.prefill_cached_tokens_per_s * ratio,
+                mean_prompt_tokens=load.mean_prompt_tokens * ratio,
+                # The decode context is mostly the prompt: it scales with it.
+                mean_decode_context_tokens=load.mean_decode_context_tokens * ratio,
+            ),
+            ratio,
         )
 
     def _long_trend_ratio(self, rate: float, horizon: float, now: float) -> float | None:
@@ -614,7 +685,7 @@ class Planner:
         slope = sum((t - mean_t) * (r - mean_r) for t, r in zip(times, rates, strict=True)) / spread
         return 1.0 + max(slope, 0.0) * horizon / rate
 
-    def _backlog(self, inputs: PlannerInputs, record: dict[str, object]) -> tuple[float, int]:
+    def _backlog(self, inputs: PlannerInputs) -> _Backlog:
         """Demand ratio (arrivals over served) and replicas to drain the queue.
 
         Mass balance over the load estimate's window: arrivals = served + the
@@ -645,15 +716,9 @@ class Planner:
         if queued > trigger:
             drain = policy.backlog_drain_s or max(inputs.pod_startup_s, 1.0)
             extra = min(math.ceil(queued / (per_replica * drain)), policy.max_surge)
-        record["queued_prefill_tokens"] = queued
-        record["queue_growth_tokens_per_s"] = growth
-        record["demand_ratio"] = ratio
-        record["backlog_replicas"] = extra
-        return ratio, extra
+        return _Backlog(ratio, extra, queued, growth)
 
-    def _burst_floor(
-        self, now: float, needed: int, horizon: float, record: dict[str, object]
-    ) -> tuple[int, RecurringBurst | None]:
+    def _burst_floor(self, now: float, needed: int, horizon: float) -> BurstFloor:
         """The floor bursts ask for, and the recurring burst it prepares for (if so).
 
         Bursts at a period (see :mod:`~stepscale_operator.burst_recurrence`): from
@@ -692,7 +757,7 @@ class Planner:
                 # by up to a horizon; the halfway crossing is where the rise is steep.
                 halfway = min(r.time for r in before if 2 * r.replicas >= low + needed)
                 self._recurrence.burst_began(halfway, needed)
-        record["burst_seen_s_ago"] = None if self._last_burst is None else now - self._last_burst
+        seen = None if self._last_burst is None else now - self._last_burst
         memory = 0
         if self._last_burst is not None and now - self._last_burst <= keep:
             peak = max(r.replicas for r in self._needs if r.time >= self._burst_began)
@@ -701,20 +766,32 @@ class Planner:
             if now - self._last_burst <= policy.burst_memory_s:
                 memory = peak
         recurring = self._recurrence.expected(now)
-        record["recurring_burst"] = asdict(recurring) if recurring is not None else None
-        record["burst_onsets"] = [[onset, peak] for onset, peak in self._recurrence.onsets()]
+        onsets = tuple(self._recurrence.onsets())
+
+        def floor(value: int, prepared: RecurringBurst | None) -> BurstFloor:
+            if prepared is not None:
+                reason = _recurring_words(prepared, now)
+            elif value and seen is not None:
+                reason = (
+                    f"a burst faster than pod start-up was seen {seen:.0f}s ago; "
+                    f"its peak need ({value}) is kept for {policy.burst_memory_s:.0f}s"
+                )
+            else:
+                reason = "no burst to prepare for"
+            return BurstFloor(value, prepared, seen, onsets, recurring, reason)
+
         if recurring is None:
-            return memory, None
+            return floor(memory, None)
         lead = horizon + max(recurring.jitter_s, policy.lookahead_extra_s)
         due_soon = now >= recurring.next_onset - lead
         if recurring.confirmed:
-            return (recurring.peak_need, recurring) if due_soon else (0, None)
+            return floor(recurring.peak_need, recurring) if due_soon else floor(0, None)
         # A tentative period (one gap): prepare for the next burst, which costs a
         # start-up's worth of capacity if it does not come, but keep the memory:
         # one gap says nothing of what comes in between.
         if due_soon and recurring.peak_need > memory:
-            return recurring.peak_need, recurring
-        return memory, None
+            return floor(recurring.peak_need, recurring)
+        return floor(memory, None)
 
     def _stale_reason(self, inputs: PlannerInputs, now: float) -> str:
         load = inputs.load
@@ -727,16 +804,11 @@ class Planner:
         return ""
 
     def _queue_rule(
-        self,
-        inputs: PlannerInputs,
-        now: float,
-        total: int,
-        lo: int,
-        hi: int,
-        record: dict[str, object],
+        self, inputs: PlannerInputs, now: float, fleet: FleetNow, record: dict[str, object]
     ) -> Decision:
         """Before the model is ready: scale up on queued requests, never down."""
         assert inputs.load is not None
+        total, lo, hi = fleet.total, fleet.low, fleet.high
         queued = inputs.load.queued_prefill_requests + inputs.load.queued_decode_requests
         serving = max(inputs.replicas.ready, 1)
         per_replica = queued / serving
@@ -748,8 +820,7 @@ class Planner:
             return self._hold_or_raise_to_min(
                 inputs,
                 now,
-                total,
-                lo,
+                fleet,
                 record,
                 f"cost model not ready, {per_replica:.1f} queued requests per replica{capped}; "
                 "the queue rule never scales down",
@@ -764,26 +835,26 @@ class Planner:
         return self._finish(inputs, now, total, desired, why, 0.3, record, None, None)
 
     def _clamp_to_max(
-        self, inputs: PlannerInputs, now: float, total: int, hi: int, record: dict[str, object]
+        self, inputs: PlannerInputs, now: float, fleet: FleetNow, record: dict[str, object]
     ) -> Decision:
         """More replicas than ``max_replicas``: the user lowered the bound, so it applies now.
 
         A spec change, not a load decision: it is taken whatever the data (even
         stale), and reported as such, never as a hold.
         """
+        hi = fleet.high
         self._remember(now, hi)
         why = (
-            f"scale down to maxReplicas {hi}: clamped to maxReplicas, {total} replicas "
+            f"scale down to maxReplicas {hi}: clamped to maxReplicas, {fleet.total} replicas "
             "exceed the spec's bound"
         )
-        return self._finish(inputs, now, total, hi, why, 1.0, record, None, None)
+        return self._finish(inputs, now, fleet.total, hi, why, 1.0, record, None, None)
 
     def _hold_or_raise_to_min(
         self,
         inputs: PlannerInputs,
         now: float,
-        total: int,
-        lo: int,
+        fleet: FleetNow,
         record: dict[str, object],
         why: str,
         confidence: float = 0.0,
@@ -793,6 +864,7 @@ class Planner:
         Used where the planner may not judge the load (missing or stale data, no
         cost model): it never goes below the current count.
         """
+        total, lo = fleet.total, fleet.low
         desired = max(total, lo)
         reason = (
             f"scale up to minReplicas {lo} (spec bound); {why}"
