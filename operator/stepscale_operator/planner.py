@@ -129,8 +129,15 @@ class PlannerPolicy:
     # next), so plan for at least this multiple of the measured load.
     min_lookahead_ratio: float = 1.1
     latency_quantile: float = 0.99  # TTFT/ITL are planned at this quantile
-    prompt_tail_ratio: float = 3.5  # the quantile prompt is this many times the mean
-    service_cv2: float = 1.0  # squared coefficient of variation of prefill service time
+    # Priors for a load estimate without a measured prompt-length distribution (a
+    # stream too young, a hand-made estimate): the quantile prompt is this many
+    # times the mean, and the prefill service time has this CV^2. Once the streams
+    # report prompt lengths, both come from the measured distribution.
+    prompt_tail_ratio: float = 3.5
+    service_cv2: float = 1.0
+    # Where no replica count meets the SLO, plan for this much above what the most
+    # replicas achieve (never pin at maxReplicas for a target no count reaches).
+    out_of_reach_slack: float = 0.10
     # A router that balances requests (least outstanding, round robin) splits the
     # fleet's Poisson arrivals into per-replica streams with interarrival CV^2 of
     # about 1/replicas (exactly, for round robin: Erlang-n gaps); a random spread
@@ -408,7 +415,9 @@ class Planner:
             if n <= 0:
                 return no_replicas_prediction()
             per = PerReplicaLoad.from_estimate(load, n)
-            return predict_latency(predictor, per, inputs.engine, self.policy, n)
+            return predict_latency(
+                predictor, per, inputs.engine, self.policy, n, ttft_limit_ms=inputs.slo.ttft_ms
+            )
 
         return prediction
 
@@ -463,7 +472,7 @@ class Planner:
         search_high = max(fleet.high, fleet.coming, 1)
         if demand.idle:
             return CapacityNeed(0, True, 0, 0, margin, search_high, 0.0, "nothing to serve")
-        slo = inputs.slo
+        slo, words = self._reachable_slo(inputs.slo, demand.planned, margin, search_high, predict)
         needed, reachable = smallest_replicas_within_slo(
             lambda n: predict(n, demand.planned).within(slo, margin), 1, search_high
         )
@@ -478,14 +487,55 @@ class Planner:
         measured_need, _ = smallest_replicas_within_slo(
             lambda n: predict(n, steady).within(slo, margin), 1, search_high
         )
-        reason = (
-            f"{needed} needed for {demand.reason} within the SLO less {margin:.0%} margin"
-            if reachable
-            else f"SLO not reachable even at {search_high}"
-        )
+        share = predict(max(needed, 1), demand.planned).unreachable_share
+        if not reachable:
+            reason = f"SLO not reachable even at {search_high}"
+        else:
+            reason = f"{needed} needed for {demand.reason} within the SLO less {margin:.0%} margin"
+        if share > 0.0:
+            reason += (
+                f"; {share:.1%} of requests cannot meet the TTFT SLO at any replica count "
+                "(their prefill alone exceeds it), planned for the rest"
+            )
+        if words:
+            reason += f"; {words}"
         return CapacityNeed(
-            needed, reachable, down_ok, measured_need, margin, search_high, 0.0, reason
+            needed, reachable, down_ok, measured_need, margin, search_high, share, reason
         )
+
+    def _reachable_slo(
+        self,
+        slo: SloTargets,
+        load: LoadEstimate,
+        margin: float,
+        search_high: int,
+        predict: Callable[[int, LoadEstimate], LatencyPrediction],
+    ) -> tuple[SloTargets, str]:
+        """The SLO to plan for: ``slo`` itself, or, where no replica count meets it, what
+        the most replicas achieve plus ``out_of_reach_slack`` (and why, in words).
+
+        A target no count reaches would pin the fleet at maxReplicas for nothing: a
+        latency floor (the decode step alone, a prefill that cannot go faster) does
+        not move with the count. Planning for "as good as any count gets" keeps the
+        replicas that still help and no more.
+        """
+        best = predict(search_high, load)
+        if not best.feasible or best.within(slo, margin):
+            return slo, ""
+        widen = (1.0 + self.policy.out_of_reach_slack) / (1.0 - margin)
+        ttft = max(slo.ttft_ms, best.ttft_ms * widen)
+        itl = max(slo.itl_ms, best.itl_ms * widen)
+        parts = []
+        if ttft > slo.ttft_ms:
+            parts.append(f"TTFT {best.ttft_ms:.0f}ms")
+        if itl > slo.itl_ms:
+            parts.append(f"ITL {best.itl_ms:.1f}ms")
+        words = (
+            f"SLO out of reach at any count (at best {' and '.join(parts)} at "
+            f"{search_high} replicas): planned for within "
+            f"{self.policy.out_of_reach_slack:.0%} of that"
+        )
+        return SloTargets(ttft_ms=ttft, itl_ms=itl), words
 
     def _floors(
         self, need: CapacityNeed, demand: Demand, bursts: BurstFloor, fleet: FleetNow
