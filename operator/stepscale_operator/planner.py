@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.burst_recurrence import BurstRecurrence, RecurringBurst
+from stepscale_operator.closed_loop import Feedback, LatencyFeedback
 from stepscale_operator.latency_model import (
     EngineLimits,
     LatencyPrediction,
@@ -138,6 +139,13 @@ class PlannerPolicy:
     # Where no replica count meets the SLO, plan for this much above what the most
     # replicas achieve (never pin at maxReplicas for a target no count reaches).
     out_of_reach_slack: float = 0.10
+    # Closed loop (:mod:`~stepscale_operator.closed_loop`): the realized latency above
+    # the SLO for this long at a settled fleet adds a replica even when the model
+    # says all is well, and the model's learned correction is bounded by this factor
+    # (closed_loop False: neither).
+    closed_loop: bool = True
+    measured_miss_s: float = 30.0
+    max_latency_correction: float = 3.0
     # A router that balances requests (least outstanding, round robin) splits the
     # fleet's Poisson arrivals into per-replica streams with interarrival CV^2 of
     # about 1/replicas (exactly, for round robin: Erlang-n gaps); a random spread
@@ -310,6 +318,12 @@ class Planner:
         self._recurrence = BurstRecurrence(
             self.policy.recurring_bursts, self.policy.burst_period_tolerance
         )
+        self._feedback = LatencyFeedback(
+            settle_s=self.policy.measured_miss_s,
+            persistence_s=self.policy.measured_miss_s,
+            max_correction=self.policy.max_latency_correction,
+            tail_share=1.0 - self.policy.latency_quantile,
+        )
 
     def burst_onsets(self) -> list[tuple[float, int]]:
         """The bursts the period is learned from: (onset, peak need), on the clock of
@@ -345,19 +359,19 @@ class Planner:
             self._first_decision_time = now
 
         demand = self._demand(inputs, now)
-        predict = self._predictions(inputs)
+        feedback, predict = self._measured_latency(inputs, fleet, now)
         need = self._capacity_need(inputs, demand, fleet, predict)
         # Bursts are judged, and remembered, on the measured load's need: not on a
         # forecast or a backlog allowance, which would keep an overshoot.
         bursts = self._burst_floor(now, need.measured_need, demand.horizon_s)
-        floors = self._floors(need, demand, bursts, fleet)
-        for part in (demand, need, bursts, floors):
+        floors = self._floors(need, demand, bursts, feedback, fleet)
+        for part in (demand, feedback, need, bursts, floors):
             record.update(part.record())
         confidence = max(0.0, 1.0 - 2.0 * (inputs.model_mape or 0.0)) * (
             1.0 if need.reachable else 0.5
         )
         if floors.needed + fleet.timed_out > fleet.total or fleet.total < fleet.low:
-            verdict = self._scale_up(inputs, now, fleet, demand, need, bursts, floors)
+            verdict = self._scale_up(inputs, now, fleet, demand, need, bursts, feedback, floors)
         else:
             verdict = self._scale_down_or_hold(now, fleet, need, bursts, floors, record)
         record["predictions_load"] = verdict.basis
@@ -420,6 +434,37 @@ class Planner:
             )
 
         return prediction
+
+    def _measured_latency(
+        self, inputs: PlannerInputs, fleet: FleetNow, now: float
+    ) -> tuple[Feedback, Callable[[int, LoadEstimate], LatencyPrediction]]:
+        """The closed loop: the realized latency against the SLO and the model, and
+        the predictions with the model's learned correction applied."""
+        raw = self._predictions(inputs)
+        assert inputs.load is not None
+        if not self.policy.closed_loop or fleet.ready <= 0:
+            feedback = Feedback(1.0, 1.0, None, None, None, None, 0.0, 0, "")
+            return feedback, raw
+        feedback = self._feedback.observe(
+            now, fleet.ready, fleet.starting, inputs.load, raw(fleet.ready, inputs.load), inputs.slo
+        )
+        itl_c, ttft_c = feedback.itl_correction, feedback.ttft_correction
+        if itl_c == 1.0 and ttft_c == 1.0:
+            return feedback, raw
+
+        def corrected(n: int, load: LoadEstimate) -> LatencyPrediction:
+            pred = raw(n, load)
+            if not pred.feasible:
+                return pred
+            return replace(
+                pred,
+                ttft_ms=pred.ttft_ms * ttft_c,
+                itl_ms=pred.itl_ms * itl_c,
+                ttft_mean_ms=pred.ttft_mean_ms * ttft_c,
+                itl_mean_ms=pred.itl_mean_ms * itl_c,
+            )
+
+        return feedback, corrected
 
     def _demand(self, inputs: PlannerInputs, now: float) -> Demand:
         """The served load corrected by the queue's growth, and the load one horizon ahead."""
@@ -538,9 +583,15 @@ class Planner:
         return SloTargets(ttft_ms=ttft, itl_ms=itl), words
 
     def _floors(
-        self, need: CapacityNeed, demand: Demand, bursts: BurstFloor, fleet: FleetNow
+        self,
+        need: CapacityNeed,
+        demand: Demand,
+        bursts: BurstFloor,
+        feedback: Feedback,
+        fleet: FleetNow,
     ) -> Floors:
-        """The need with the backlog allowance and the burst floor; the scale-down floor."""
+        """The need with the backlog allowance, the burst floor and a sustained measured
+        miss; the scale-down floor."""
         # What the stabilization window remembers: the measured load's floor (and a
         # burst's peak). The forecast's need counts for the decision at hand only:
         # remembered, the window's maximum of a noisy look-ahead would add its
@@ -555,7 +606,11 @@ class Planner:
         for_burst = bursts.prepared is not None and bursts.floor > needed
         if for_burst:
             needed = min(bursts.floor, need.search_high)
-        return Floors(needed, for_burst, down_ok, measured_floor, load_floor)
+        # The realized latency missed the SLO for a while: more, whatever the model says.
+        for_miss = feedback.floor > needed
+        if for_miss:
+            needed = min(feedback.floor, need.search_high)
+        return Floors(needed, for_burst, for_miss, down_ok, measured_floor, load_floor)
 
     def _scale_up(
         self,
@@ -565,6 +620,7 @@ class Planner:
         demand: Demand,
         need: CapacityNeed,
         bursts: BurstFloor,
+        feedback: Feedback,
         floors: Floors,
     ) -> Verdict:
         """More is needed (or the count is below minReplicas): how many, and why."""
@@ -576,7 +632,9 @@ class Planner:
         self._remember(now, desired)
         if floors.needed + fleet.timed_out > total:
             head = "scale up" if desired > total else f"hold at maxReplicas {hi}"
-            if floors.for_burst:
+            if floors.for_measured_miss:
+                why = f"{head}: {feedback.reason}"
+            elif floors.for_burst:
                 assert bursts.prepared is not None
                 why = f"{head}: {bursts.reason}; pods take {inputs.pod_startup_s:.0f}s to start"
             else:

@@ -130,6 +130,7 @@ class Floors:
 
     needed: int  # what scale-up aims for (need + backlog, or a due burst's peak)
     for_burst: bool  # a recurring burst due within a start-up set ``needed``
+    for_measured_miss: bool  # a sustained measured miss set ``needed``
     scale_down_floor: int  # fewest replicas scale-down may leave
     measured_floor: int  # what the stabilization window remembers
     load_floor: int  # the floor without the burst memory (to tell which one binds)
