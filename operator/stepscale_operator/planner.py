@@ -375,13 +375,14 @@ class Planner:
         else:
             verdict = self._scale_down_or_hold(now, fleet, need, bursts, floors, record)
         record["predictions_load"] = verdict.basis
+        reason = f"{verdict.reason}; {need.caveat}" if need.caveat else verdict.reason
         load = demand.measured if verdict.basis == "measured" else demand.planned
         return self._finish(
             inputs,
             now,
             fleet.total,
             verdict.desired,
-            verdict.reason,
+            reason,
             confidence,
             record,
             predict(fleet.ready, load),
@@ -516,7 +517,7 @@ class Planner:
         )
         search_high = max(fleet.high, fleet.coming, 1)
         if demand.idle:
-            return CapacityNeed(0, True, 0, 0, margin, search_high, 0.0, "nothing to serve")
+            return CapacityNeed(0, True, 0, 0, margin, search_high, 0.0, "nothing to serve", "")
         slo, words = self._reachable_slo(inputs.slo, demand.planned, margin, search_high, predict)
         needed, reachable = smallest_replicas_within_slo(
             lambda n: predict(n, demand.planned).within(slo, margin), 1, search_high
@@ -533,19 +534,28 @@ class Planner:
             lambda n: predict(n, steady).within(slo, margin), 1, search_high
         )
         share = predict(max(needed, 1), demand.planned).unreachable_share
+        caveats = []
+        if share > 0.0:
+            caveats.append(
+                f"{share:.1%} of requests cannot meet the TTFT SLO at any replica count "
+                "(their prefill alone exceeds it), planned for the rest"
+            )
+        if words:
+            caveats.append(words)
         if not reachable:
             reason = f"SLO not reachable even at {search_high}"
         else:
             reason = f"{needed} needed for {demand.reason} within the SLO less {margin:.0%} margin"
-        if share > 0.0:
-            reason += (
-                f"; {share:.1%} of requests cannot meet the TTFT SLO at any replica count "
-                "(their prefill alone exceeds it), planned for the rest"
-            )
-        if words:
-            reason += f"; {words}"
         return CapacityNeed(
-            needed, reachable, down_ok, measured_need, margin, search_high, share, reason
+            needed,
+            reachable,
+            down_ok,
+            measured_need,
+            margin,
+            search_high,
+            share,
+            reason,
+            "; ".join(caveats),
         )
 
     def _reachable_slo(

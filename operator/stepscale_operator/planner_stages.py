@@ -94,6 +94,7 @@ class CapacityNeed:
     search_high: int
     unreachable_share: float  # of requests no replica count serves within the SLO
     reason: str
+    caveat: str  # what of the SLO is out of reach and what was planned instead ("": none)
 
     def record(self) -> dict[str, object]:
         """Status/log fields."""
