@@ -289,12 +289,13 @@ def shaped_synthetic(
     starts = starts[keep]
     if shape.silent_share > 0.0:
         mean_off = shape.mean_on_s * shape.silent_share / (1.0 - shape.silent_share)
-        t, on, edges = 0.0, bool(rng.random() >= shape.silent_share), []
-        while t < duration_s:
-            length = rng.exponential(shape.mean_on_s if on else mean_off)
+        clock, on = 0.0, bool(rng.random() >= shape.silent_share)
+        edges: list[tuple[float, float]] = []
+        while clock < duration_s:
+            length = float(rng.exponential(shape.mean_on_s if on else mean_off))
             if not on:
-                edges.append((t, t + length))
-            t += length
+                edges.append((clock, clock + length))
+            clock += length
             on = not on
         silent = np.zeros(starts.size, dtype=bool)
         for lo, hi in edges:
