@@ -253,7 +253,7 @@ def _shape_rules(
     for metric in ("ttft", "itl"):
         err, bias = acc.get(f"median_error_{metric}_p99"), acc.get(f"median_bias_{metric}_p99")
         criterion = (
-            f"R4 predicted p99 {metric.upper()}: median error <= {P99_ERROR_LIMIT:.0%}, "
+            f"R4-{metric.upper()} predicted p99: median error <= {P99_ERROR_LIMIT:.0%}, "
             f"bias within +-{P99_BIAS_LIMIT:.0%}"
         )
         if err is None or bias is None:
