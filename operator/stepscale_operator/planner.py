@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from stepscale_engine.wire import ScheduledRequestMetrics
-from stepscale_operator.burst_recurrence import BurstRecurrence, RecurringBurst
+from stepscale_operator.burst_floor import BurstMemory
 from stepscale_operator.closed_loop import Feedback, LatencyFeedback
 from stepscale_operator.latency_model import (
     EngineLimits,
@@ -278,16 +278,6 @@ class _Backlog:
     growth: float  # their change per second over the window
 
 
-def _recurring_words(burst: RecurringBurst, now: float) -> str:
-    """Why capacity waits for a recurring burst, in words."""
-    due = burst.next_onset - now
-    when = f"due in {due:.0f}s" if due >= 0.0 else f"due {-due:.0f}s ago"
-    return (
-        f"bursts recur every {burst.period_s:.0f}s (last {burst.bursts}); the next is "
-        f"{when} and the recent ones needed {burst.peak_need}"
-    )
-
-
 def with_demand(load: LoadEstimate, ratio: float) -> LoadEstimate:
     """``load`` with its request and token rates multiplied by ``ratio``."""
     if ratio == 1.0:
@@ -308,16 +298,11 @@ class Planner:
         self.policy = policy or PlannerPolicy()
         self._history: list[_Recommendation] = []
         self._first_decision_time: float | None = None
-        self._needs: list[_Recommendation] = []  # need on the measured demand, for bursts
-        self._last_burst: float | None = None
-        self._burst_began = 0.0  # when the last burst's rise began (its low point)
         self._demand_history: list[tuple[float, float]] = []  # (time, measured demand rate)
         self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
         # (time, prefill tokens per request), for the mix memory
         self._mix: list[tuple[float, float]] = []
-        self._recurrence = BurstRecurrence(
-            self.policy.recurring_bursts, self.policy.burst_period_tolerance
-        )
+        self._bursts = BurstMemory(self.policy)
         self._feedback = LatencyFeedback(
             settle_s=self.policy.measured_miss_s,
             persistence_s=self.policy.measured_miss_s,
@@ -328,11 +313,11 @@ class Planner:
     def burst_onsets(self) -> list[tuple[float, int]]:
         """The bursts the period is learned from: (onset, peak need), on the clock of
         ``decide``; what to save so a new planner need not learn them again."""
-        return self._recurrence.onsets()
+        return self._bursts.onsets()
 
     def restore_burst_onsets(self, onsets: Sequence[tuple[float, int]]) -> None:
         """Start from bursts seen before (see :meth:`burst_onsets`), on this clock."""
-        self._recurrence.restore(onsets)
+        self._bursts.restore(onsets)
 
     def decide(self, inputs: PlannerInputs, now: float) -> Decision:
         """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``).
@@ -363,7 +348,9 @@ class Planner:
         need = self._capacity_need(inputs, demand, fleet, predict)
         # Bursts are judged, and remembered, on the measured load's need: not on a
         # forecast or a backlog allowance, which would keep an overshoot.
-        bursts = self._burst_floor(now, need.measured_need, demand.horizon_s)
+        bursts = self._bursts.floor(
+            now, need.measured_need, demand.horizon_s, self._first_decision_time
+        )
         floors = self._floors(need, demand, bursts, feedback, fleet)
         for part in (demand, feedback, need, bursts, floors):
             record.update(part.record())
@@ -835,81 +822,6 @@ class Planner:
             drain = policy.backlog_drain_s or max(inputs.pod_startup_s, 1.0)
             extra = min(math.ceil(queued / (per_replica * drain)), policy.max_surge)
         return _Backlog(ratio, extra, queued, growth)
-
-    def _burst_floor(self, now: float, needed: int, horizon: float) -> BurstFloor:
-        """The floor bursts ask for, and the recurring burst it prepares for (if so).
-
-        Bursts at a period (see :mod:`~stepscale_operator.burst_recurrence`): from
-        one look-ahead horizon (plus the period's jitter) before the next is due
-        until it comes, the floor is the recent bursts' peak need; between bursts
-        of a confirmed period there is none. Otherwise the floor is the last
-        burst's peak need, kept for ``burst_memory_s`` after it (0 when none).
-
-        The peak counts from the low point the burst rose from: a higher need met
-        before the burst (an earlier daily peak) is not what a recurring burst
-        needs, and keeping it would hold capacity no burst asked for.
-        ``needed`` is sized on the demand (served load corrected by the queue's
-        growth or drain), so a backlog draining after the burst does not inflate it.
-        """
-        policy = self.policy
-        self._needs.append(_Recommendation(now, needed))
-        keep = max(policy.burst_memory_s, horizon)
-        self._needs = [r for r in self._needs if r.time >= now - keep]
-        # The low point must be a need judged after one horizon on the model: over
-        # the planner's first horizon the load estimate's window and the fleet's
-        # batches are still filling, and the need rising with them is its own
-        # warm-up, not a burst (on the Azure trace it held the start-up's need
-        # for 15 minutes).
-        first = self._first_decision_time if self._first_decision_time is not None else now
-        warmed = first + horizon
-        before = [r for r in self._needs if r.time >= max(now - horizon, warmed)]
-        low = min(r.replicas for r in before) if before else needed
-        if needed - low >= policy.burst_min_step and needed >= policy.burst_ratio * max(low, 1):
-            new_burst = self._last_burst is None or now - self._last_burst > horizon
-            self._last_burst = now
-            # The rise began after the last time the need was at its low.
-            self._burst_began = max(r.time for r in before if r.replicas == low)
-            if new_burst:
-                # Its beat: when the need crossed halfway up. The low point's time
-                # wanders with the noise of the need before the burst (3, 4, 3...),
-                # by up to a horizon; the halfway crossing is where the rise is steep.
-                halfway = min(r.time for r in before if 2 * r.replicas >= low + needed)
-                self._recurrence.burst_began(halfway, needed)
-        seen = None if self._last_burst is None else now - self._last_burst
-        memory = 0
-        if self._last_burst is not None and now - self._last_burst <= keep:
-            peak = max(r.replicas for r in self._needs if r.time >= self._burst_began)
-            # The burst's peak, for the next one of a period (even without a memory).
-            self._recurrence.burst_need(peak)
-            if now - self._last_burst <= policy.burst_memory_s:
-                memory = peak
-        recurring = self._recurrence.expected(now)
-        onsets = tuple(self._recurrence.onsets())
-
-        def floor(value: int, prepared: RecurringBurst | None) -> BurstFloor:
-            if prepared is not None:
-                reason = _recurring_words(prepared, now)
-            elif value and seen is not None:
-                reason = (
-                    f"a burst faster than pod start-up was seen {seen:.0f}s ago; "
-                    f"its peak need ({value}) is kept for {policy.burst_memory_s:.0f}s"
-                )
-            else:
-                reason = "no burst to prepare for"
-            return BurstFloor(value, prepared, seen, onsets, recurring, reason)
-
-        if recurring is None:
-            return floor(memory, None)
-        lead = horizon + max(recurring.jitter_s, policy.lookahead_extra_s)
-        due_soon = now >= recurring.next_onset - lead
-        if recurring.confirmed:
-            return floor(recurring.peak_need, recurring) if due_soon else floor(0, None)
-        # A tentative period (one gap): prepare for the next burst, which costs a
-        # start-up's worth of capacity if it does not come, but keep the memory:
-        # one gap says nothing of what comes in between.
-        if due_soon and recurring.peak_need > memory:
-            return floor(recurring.peak_need, recurring)
-        return floor(memory, None)
 
     def _stale_reason(self, inputs: PlannerInputs, now: float) -> str:
         load = inputs.load
