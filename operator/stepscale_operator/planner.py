@@ -11,7 +11,19 @@ in :mod:`stepscale_operator.latency_model`.
 
 The target is the smallest replica count whose predicted TTFT and ITL (at the
 planning quantile) are within the SLO less a margin (grown by the model's error),
-for the load expected one pod start-up ahead. On top of that:
+for the load expected one pod start-up ahead. :meth:`Planner.decide` is a short
+sequence of stages, each returning a typed value with its reason
+(:mod:`~stepscale_operator.planner_stages`): fleet, demand, measured latency
+(the closed loop, :mod:`~stepscale_operator.closed_loop`), capacity need, burst
+floor (:mod:`~stepscale_operator.burst_floor`), floors, then scale up, scale
+down or hold; the binding stage's reason is the decision's. On top of the target:
+
+* Out of reach: prompts whose prefill alone exceeds the TTFT SLO on an idle
+  replica load the fleet but are not planned for (their share is reported); where
+  no count meets the SLO at all, the target is what the most replicas achieve plus
+  ``out_of_reach_slack``, never maxReplicas for nothing.
+* Closed loop: predictions carry the correction learned from the realized latency,
+  and a sustained realized miss adds a replica whatever the model says.
 
 * Backlog: the load estimate measures *served* work. Once the queued prefill
   tokens exceed a share of the TTFT budget per replica, the fleet is behind: the
