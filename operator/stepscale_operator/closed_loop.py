@@ -15,11 +15,11 @@ count, and keeps two things the planner uses:
 * a sustained miss: the realized tail above the SLO for ``persistence_s`` of
   decisions at a settled fleet, even when the (corrected) model says all is
   well, asks for one more replica than serve now (again after each
-  ``persistence_s`` while it lasts).
+  ``persistence_s`` while it lasts, as long as the last one reduced the miss).
 
 TTFT misses of prompts no replica count serves in time (their prefill alone
-exceeds the SLO) are no reason to add capacity: with such a share beyond the
-planning quantile's tail, the TTFT miss is not acted on.
+exceeds the SLO) are no reason to add capacity: while the model sees any such
+prompts, the measured TTFT tail is theirs and is not acted on.
 
 Pure and deterministic: measurements in, a :class:`Feedback` out.
 """
@@ -85,6 +85,8 @@ class LatencyFeedback:
         self._fleet: tuple[int, int] | None = None
         self._fleet_since = 0.0
         self._miss_since: float | None = None
+        # How far above the SLO the tail was when the last replica was added for it.
+        self._worst_at_step: float | None = None
 
     def observe(
         self,
@@ -113,7 +115,7 @@ class LatencyFeedback:
             )
         itl_miss = itl_tail is not None and itl_tail > slo.itl_ms
         # Prompts that no count serves in time fill the measured TTFT tail by themselves.
-        ttft_acts = predicted.unreachable_share <= self.tail_share
+        ttft_acts = predicted.unreachable_share <= 0.0
         ttft_miss = ttft_acts and ttft_tail is not None and ttft_tail > slo.ttft_ms
         floor = 0
         missing = 0.0
@@ -122,8 +124,18 @@ class LatencyFeedback:
             if self._miss_since is None:
                 self._miss_since = now
             missing = now - self._miss_since
-            if missing >= self.persistence_s:
+            worst = max(
+                (itl_tail or 0.0) / slo.itl_ms if itl_miss else 0.0,
+                (ttft_tail or 0.0) / slo.ttft_ms if ttft_miss else 0.0,
+            )
+            helped = self._worst_at_step is None or worst < 0.95 * self._worst_at_step
+            if missing >= self.persistence_s and not helped:
+                # The last replica added for a miss did not reduce it: more will not.
+                reason = ""
+                self._miss_since = now
+            elif missing >= self.persistence_s:
                 floor = ready + 1
+                self._worst_at_step = worst
                 self._miss_since = now  # the next step after another persistence
                 what = []
                 if itl_miss and itl_tail is not None:
@@ -143,6 +155,8 @@ class LatencyFeedback:
                 )
         else:
             self._miss_since = None
+            if settled:
+                self._worst_at_step = None
         return Feedback(
             itl_correction=self.itl_correction,
             ttft_correction=self.ttft_correction,

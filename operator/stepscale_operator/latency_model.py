@@ -168,6 +168,8 @@ class LatencyPrediction:
     # limit the prediction was asked about: no replica count serves them in time,
     # and ``ttft_ms`` is the quantile over the others.
     unreachable_share: float = 0.0
+    # Of the other requests, the share predicted to exceed that limit (0: not asked).
+    ttft_miss_share: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -198,10 +200,10 @@ def _overloaded(replicas: int, bottleneck: str, step_s: float, batch: float) -> 
     )
 
 
-def _ttft_quantile(
-    services: list[tuple[float, float]], wait_mean: float, rho: float, q_tail: float, floor: float
-) -> float:
-    """Smallest t with P(wait + service + floor > t) <= q_tail (seconds).
+def _ttft_exceedance(
+    services: list[tuple[float, float]], wait_mean: float, rho: float, floor: float
+) -> Callable[[float], float]:
+    """P(wait + service + floor > t) as a function of t (seconds).
 
     The wait's tail is exponential, P(W > w) = rho * exp(-w * rho / wait_mean)
     (the M/G/1 heavy-traffic shape behind Kingman's mean); the service is drawn
@@ -218,11 +220,12 @@ def _ttft_quantile(
                 total += p * min(1.0, rho * math.exp(-w * rho / wait_mean))
         return total
 
-    lo = 0.0
-    hi = max(s for s, _ in services) + floor
-    if wait_mean > 0.0 and rho > 0.0:
-        hi += (wait_mean / rho) * math.log(max(rho / q_tail, 1.0)) + wait_mean
-    hi = max(hi, 1e-6)
+    return exceed
+
+
+def _ttft_quantile(exceed: Callable[[float], float], start: float, q_tail: float) -> float:
+    """Smallest t with ``exceed(t) <= q_tail`` (bisection from [0, start], doubling)."""
+    lo, hi = 0.0, max(start, 1e-6)
     while exceed(hi) > q_tail:
         hi *= 2.0
     for _ in range(40):
@@ -380,24 +383,31 @@ def predict_latency(
     wait_mean = rho * service * (arrival_cv2 + service_cv2) / (2.0 * (1.0 - rho))
     ttft_mean = wait_mean + service + f_d / 2.0
     unreachable = 0.0
+    reachable = services
+    if ttft_limit_ms is not None and len(services) > 1:
+        alone = [prefill_of(length, budget, 0.0) for length, _ in classes]
+        idle_floor = decode_pass(0.0)
+        keep = [n * f + idle_floor <= ttft_limit_ms / 1e3 for n, f in alone]
+        unreachable = sum(p for ok, (_, p) in zip(keep, services, strict=True) if not ok)
+        reachable = [sp for ok, sp in zip(keep, services, strict=True) if ok]
     if len(services) > 1:
-        reachable = services
-        if ttft_limit_ms is not None:
-            alone = [(prefill_of(length, budget, 0.0), p) for (length, p) in classes]
-            limit = ttft_limit_ms / 1e3
-            keep = [n * f + decode_pass(0.0) <= limit for (n, f), _ in alone]
-            unreachable = sum(p for ok, (_, p) in zip(keep, services, strict=True) if not ok)
-            reachable = [sp for ok, sp in zip(keep, services, strict=True) if ok]
-        if reachable:
-            mass = sum(p for _, p in reachable)
-            ttft_q = _ttft_quantile(
-                [(t, p / mass) for t, p in reachable], wait_mean, rho, q_tail, f_d
-            )
+        mass = sum(p for _, p in reachable)
+        if mass > 0.0:
+            spread_services = [(t, p / mass) for t, p in reachable]
+            exceed = _ttft_exceedance(spread_services, wait_mean, rho, f_d)
+            start = max(t for t, _ in reachable) + f_d + 2.0 * wait_mean / max(rho, 1e-9)
+            ttft_q = _ttft_quantile(exceed, start, q_tail)
         else:
+            exceed = None
             ttft_q = math.inf
     else:
+        exceed = _ttft_exceedance([(service * policy.prompt_tail_ratio, 1.0)], wait_mean, rho, f_d)
         wait_q = (wait_mean / rho) * math.log(rho / q_tail) if rho > q_tail else 0.0
         ttft_q = wait_q + service * policy.prompt_tail_ratio + f_d
+    # Of the requests that can meet the limit, the share predicted to miss it.
+    ttft_miss = 0.0
+    if ttft_limit_ms is not None:
+        ttft_miss = exceed(ttft_limit_ms / 1e3) if exceed is not None else 1.0
     return LatencyPrediction(
         replicas=replicas,
         ttft_ms=ttft_q * 1e3,
@@ -409,6 +419,7 @@ def predict_latency(
         prefill_utilisation=rho,
         bottleneck="",
         unreachable_share=unreachable,
+        ttft_miss_share=ttft_miss,
     )
 
 

@@ -151,6 +151,9 @@ class PlannerPolicy:
     # Where no replica count meets the SLO, plan for this much above what the most
     # replicas achieve (never pin at maxReplicas for a target no count reaches).
     out_of_reach_slack: float = 0.10
+    # ... and where TTFT is out of reach, plan for at most this share of requests
+    # more missing it than the most replicas would (half a point).
+    out_of_reach_miss_share: float = 0.005
     # Closed loop (:mod:`~stepscale_operator.closed_loop`): the realized latency above
     # the SLO for this long at a settled fleet adds a replica even when the model
     # says all is well, and the model's learned correction is bounded by this factor
@@ -424,13 +427,17 @@ class Planner:
     ) -> Callable[[int, LoadEstimate], LatencyPrediction]:
         """Predicted latency at ``n`` replicas for a load (one cache per decision)."""
         predictor = _RememberedPredictions(inputs.predictor)
+        # A prompt is out of reach when its prefill alone, on an idle replica, is
+        # beyond what the planner aims for (the SLO less the margin): no count can
+        # bring it within the target, so the TTFT quantile is planned over the rest.
+        limit = inputs.slo.ttft_ms * (1.0 - self._margin(inputs))
 
         def prediction(n: int, load: LoadEstimate) -> LatencyPrediction:
             if n <= 0:
                 return no_replicas_prediction()
             per = PerReplicaLoad.from_estimate(load, n)
             return predict_latency(
-                predictor, per, inputs.engine, self.policy, n, ttft_limit_ms=inputs.slo.ttft_ms
+                predictor, per, inputs.engine, self.policy, n, ttft_limit_ms=limit
             )
 
         return prediction
@@ -465,6 +472,14 @@ class Planner:
             )
 
         return feedback, corrected
+
+    def _margin(self, inputs: PlannerInputs) -> float:
+        """The SLO margin, grown by the cost model's error."""
+        policy = self.policy
+        mape = inputs.model_mape if inputs.model_mape is not None else 0.0
+        return policy.margin + min(
+            policy.model_error_weight * max(mape, 0.0), policy.max_model_error_margin
+        )
 
     def _demand(self, inputs: PlannerInputs, now: float) -> Demand:
         """The served load corrected by the queue's growth, and the load one horizon ahead."""
@@ -510,28 +525,28 @@ class Planner:
         up), the survivors' load with hysteresis (scale down), and the measured demand
         with headroom but no trend (what a burst memory keeps)."""
         policy = self.policy
-        mape = inputs.model_mape if inputs.model_mape is not None else 0.0
-        margin = policy.margin + min(
-            policy.model_error_weight * max(mape, 0.0), policy.max_model_error_margin
-        )
+        margin = self._margin(inputs)
         search_high = max(fleet.high, fleet.coming, 1)
         if demand.idle:
             return CapacityNeed(0, True, 0, 0, margin, search_high, 0.0, "nothing to serve", "")
-        slo, words = self._reachable_slo(inputs.slo, demand.planned, margin, search_high, predict)
-        needed, reachable = smallest_replicas_within_slo(
-            lambda n: predict(n, demand.planned).within(slo, margin), 1, search_high
-        )
+        slo = inputs.slo
+
+        def smallest(load: LoadEstimate, m: float) -> tuple[int, bool, str]:
+            # Each search judges against what its own load and margin can reach.
+            meets, words = self._reachable_slo(slo, load, m, search_high, predict)
+            n, ok = smallest_replicas_within_slo(
+                lambda k: meets(predict(k, load), m), 1, search_high
+            )
+            return n, ok, words
+
+        needed, reachable, words = smallest(demand.planned, margin)
         # Removing capacity is judged on the measured load, not on a forecast:
         # survivors must carry today's load with the wider margin.
-        down_ok, _ = smallest_replicas_within_slo(
-            lambda n: predict(n, demand.survivors).within(slo, margin + policy.hysteresis),
-            1,
-            search_high,
-        )
+        down_ok, _, _ = smallest(demand.survivors, margin + policy.hysteresis)
+        # What the measured demand needs, with the look-ahead headroom but no trend:
+        # the need a burst memory keeps.
         steady = with_demand(demand.measured, max(policy.min_lookahead_ratio, 1.0))
-        measured_need, _ = smallest_replicas_within_slo(
-            lambda n: predict(n, steady).within(slo, margin), 1, search_high
-        )
+        measured_need, _, _ = smallest(steady, margin)
         share = predict(max(needed, 1), demand.planned).unreachable_share
         caveats = []
         if share > 0.0:
@@ -564,32 +579,46 @@ class Planner:
         margin: float,
         search_high: int,
         predict: Callable[[int, LoadEstimate], LatencyPrediction],
-    ) -> tuple[SloTargets, str]:
-        """The SLO to plan for: ``slo`` itself, or, where no replica count meets it, what
-        the most replicas achieve plus ``out_of_reach_slack`` (and why, in words).
+    ) -> tuple[Callable[[LatencyPrediction, float], bool], str]:
+        """What "within the SLO" means for this load: ``slo`` itself, or, where no
+        replica count meets it, what the most replicas achieve (and why, in words).
 
         A target no count reaches would pin the fleet at maxReplicas for nothing: a
-        latency floor (the decode step alone, a prefill that cannot go faster) does
-        not move with the count. Planning for "as good as any count gets" keeps the
-        replicas that still help and no more.
+        latency floor (the decode step alone, prompts whose prefill nearly fills the
+        TTFT budget) does not move with the count. Then TTFT is judged by the share
+        of requests predicted to miss it, which may exceed the most replicas' share
+        by ``out_of_reach_miss_share``, and ITL may exceed the most replicas' by
+        ``out_of_reach_slack``: the replicas that still help, and no more.
         """
         best = predict(search_high, load)
         if not best.feasible or best.within(slo, margin):
-            return slo, ""
-        widen = (1.0 + self.policy.out_of_reach_slack) / (1.0 - margin)
-        ttft = max(slo.ttft_ms, best.ttft_ms * widen)
-        itl = max(slo.itl_ms, best.itl_ms * widen)
-        parts = []
-        if ttft > slo.ttft_ms:
-            parts.append(f"TTFT {best.ttft_ms:.0f}ms")
-        if itl > slo.itl_ms:
-            parts.append(f"ITL {best.itl_ms:.1f}ms")
-        words = (
-            f"SLO out of reach at any count (at best {' and '.join(parts)} at "
-            f"{search_high} replicas): planned for within "
-            f"{self.policy.out_of_reach_slack:.0%} of that"
+            return (lambda pred, m: pred.within(slo, m)), ""
+        policy = self.policy
+        itl_limit = max(
+            slo.itl_ms, best.itl_ms * (1.0 + policy.out_of_reach_slack) / (1.0 - margin)
         )
-        return SloTargets(ttft_ms=ttft, itl_ms=itl), words
+        ttft_reached = best.ttft_ms <= slo.ttft_ms * (1.0 - margin)
+        miss_limit = best.ttft_miss_share + policy.out_of_reach_miss_share
+
+        def meets(pred: LatencyPrediction, m: float) -> bool:
+            if not pred.feasible or pred.itl_ms > itl_limit * (1.0 - m):
+                return False
+            if ttft_reached:
+                return pred.ttft_ms <= slo.ttft_ms * (1.0 - m)
+            return pred.ttft_miss_share <= miss_limit
+
+        parts = []
+        if not ttft_reached:
+            parts.append(
+                f"TTFT: {best.ttft_miss_share:.1%} of the servable requests miss it even at "
+                f"{search_high} replicas, planned for at most {miss_limit:.1%}"
+            )
+        if itl_limit > slo.itl_ms:
+            parts.append(
+                f"ITL: {best.itl_ms:.1f}ms at best, planned for within "
+                f"{policy.out_of_reach_slack:.0%} of that"
+            )
+        return meets, "SLO out of reach at any count (" + "; ".join(parts) + ")"
 
     def _floors(
         self,

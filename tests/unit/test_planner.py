@@ -969,3 +969,18 @@ def test_the_learned_correction_follows_the_realized_mean() -> None:
     ]
     assert corrections[-1] == pytest.approx(2.0, rel=0.05)
     assert all(isinstance(c, float) and c >= 1.0 for c in corrections)
+
+
+def test_the_closed_loop_stops_adding_when_more_replicas_do_not_help() -> None:
+    planner = Planner()
+    load = replace(load_of(20.0), realized_itl_mean_ms=10.0, realized_itl_tail_ms=60.0)
+    t, ready = 0.0, 6
+    added = []
+    while t <= 400.0:
+        d = planner.decide(inputs_for(load, ready, now=t), now=t)
+        if d.desired_replicas > ready and "measured" in d.reason:
+            added.append(t)
+            ready = d.desired_replicas  # the new pod is ready at once; the miss stays
+        t += 5.0
+    # One replica for the miss; it did not reduce the realized tail, so no more.
+    assert len(added) == 1
