@@ -851,6 +851,11 @@ class Planner:
         trigger = policy.backlog_trigger * inputs.slo.ttft_ms / 1e3 * per_replica * ready
         ratio = 1.0
         extra = 0
+        # One long prompt waiting is not a backlog of arrivals: the fleet is behind
+        # only when more prompts wait than replicas serve (each takes one at a time).
+        waiting = max(load.queued_prefill_requests, load.queued_prefill_requests_mean)
+        if waiting <= ready:
+            trigger = math.inf
         # Only a queue past the trigger means the fleet is or was behind; below it,
         # queue changes are the noise of normal batching.
         if recent > trigger and served > 0.0:
