@@ -317,6 +317,8 @@ class Planner:
         self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
         # (time, prefill tokens per request), for the mix memory
         self._mix: list[tuple[float, float]] = []
+        # (time, prompt-length histogram), for the usual shape
+        self._shapes: list[tuple[float, tuple[float, ...], float]] = []
         self._bursts = BurstMemory(self.policy)
         self._feedback = LatencyFeedback(
             settle_s=self.policy.measured_miss_s,
@@ -487,7 +489,7 @@ class Planner:
         assert inputs.load is not None
         horizon = inputs.pod_startup_s + policy.lookahead_extra_s
         backlog = self._backlog(inputs)
-        measured = with_demand(inputs.load, backlog.ratio)
+        measured = with_demand(self._with_usual_shape(inputs.load, now), backlog.ratio)
         if backlog.ratio < 1.0:
             # Draining a backlog: the served rate rises as the queue empties, and
             # that rise is the drain, not arrivals; it must not be extrapolated.
@@ -807,6 +809,33 @@ class Planner:
                 mean_decode_context_tokens=load.mean_decode_context_tokens * ratio,
             ),
             ratio,
+        )
+
+    def _with_usual_shape(self, load: LoadEstimate, now: float) -> LoadEstimate:
+        """``load`` with its prompt lengths (histogram and mean) pooled over ``mix_memory_s``.
+
+        Rates change within seconds, the shape of the prompt lengths slowly; one
+        window holds few prompts of the tail (at one long prompt a second, a 30 s
+        window has 30), so its tail share swings with every long prompt and the
+        need with it. Pooled over the mix memory, the tail is the traffic's.
+        """
+        window = self.policy.mix_memory_s
+        if window <= 0.0 or not load.prompt_histogram or load.mean_prompt_tokens <= 0.0:
+            return load
+        self._shapes.append((now, load.prompt_histogram, load.mean_prompt_tokens))
+        self._shapes = [h for h in self._shapes if h[0] >= now - window]
+        pooled = tuple(sum(column) for column in zip(*(h for _, h, _ in self._shapes), strict=True))
+        prompts = sum(sum(h) for _, h, _ in self._shapes)
+        mean = sum(sum(h) * m for _, h, m in self._shapes) / prompts
+        # The token rates stay the window's (they are the load); the prompts they
+        # come in are the usual ones, so the request rate follows from them.
+        computed = mean * (1.0 - min(max(load.prefix_cache_hit_fraction, 0.0), 1.0))
+        requests = load.prefill_tokens_per_s / computed if computed > 0.0 else 0.0
+        return replace(
+            load,
+            prompt_histogram=pooled,
+            mean_prompt_tokens=mean,
+            prefill_requests_per_s=requests or load.prefill_requests_per_s,
         )
 
     def _long_trend_ratio(self, rate: float, horizon: float, now: float) -> float | None:
