@@ -812,7 +812,7 @@ class Planner:
         )
 
     def _with_usual_shape(self, load: LoadEstimate, now: float) -> LoadEstimate:
-        """``load`` with its prompt lengths (histogram and mean) pooled over ``mix_memory_s``.
+        """``load`` with its prompt-length histogram pooled over ``mix_memory_s``.
 
         Rates change within seconds, the shape of the prompt lengths slowly; one
         window holds few prompts of the tail (at one long prompt a second, a 30 s
@@ -825,18 +825,11 @@ class Planner:
         self._shapes.append((now, load.prompt_histogram, load.mean_prompt_tokens))
         self._shapes = [h for h in self._shapes if h[0] >= now - window]
         pooled = tuple(sum(column) for column in zip(*(h for _, h, _ in self._shapes), strict=True))
-        prompts = sum(sum(h) for _, h, _ in self._shapes)
-        mean = sum(sum(h) * m for _, h, m in self._shapes) / prompts
-        # The token rates stay the window's (they are the load); the prompts they
-        # come in are the usual ones, so the request rate follows from them.
-        computed = mean * (1.0 - min(max(load.prefix_cache_hit_fraction, 0.0), 1.0))
-        requests = load.prefill_tokens_per_s / computed if computed > 0.0 else 0.0
-        return replace(
-            load,
-            prompt_histogram=pooled,
-            mean_prompt_tokens=mean,
-            prefill_requests_per_s=requests or load.prefill_requests_per_s,
-        )
+        # Only the shape: the window's mean prompt and request rate stay the load's
+        # (pooling them too cost the shared trace 1.5 points of attainment: the
+        # usual mean lags the window's mix, and the request rate derived from it
+        # under-states the short-request load).
+        return replace(load, prompt_histogram=pooled)
 
     def _long_trend_ratio(self, rate: float, horizon: float, now: float) -> float | None:
         """How far the measured demand's slope over ``trend_history_s`` raises it by
