@@ -34,7 +34,7 @@ from statistics import NormalDist
 from typing import Protocol
 
 from stepscale_engine.wire import ScheduledRequestMetrics
-from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.load_types import LoadEstimate, prompt_bin_centers
 
 
 class LatencySettings(Protocol):
@@ -112,6 +112,10 @@ class PerReplicaLoad:
     mean_prompt_tokens: float  # full prompt, cache hits included
     mean_cached_tokens: float  # of which served from the prefix cache
     mean_decode_context_tokens: float
+    # Measured shapes (see LoadEstimate): prompt lengths with their probabilities
+    # (empty: only the mean is known), and the fleet's arrival dispersion (0: unknown).
+    prompt_lengths: tuple[tuple[float, float], ...] = ()
+    arrival_dispersion: float = 0.0
 
     @classmethod
     def from_estimate(cls, load: LoadEstimate, replicas: int) -> PerReplicaLoad:
@@ -126,7 +130,25 @@ class PerReplicaLoad:
             mean_prompt_tokens=mean_prompt,
             mean_cached_tokens=cached,
             mean_decode_context_tokens=max(load.mean_decode_context_tokens, 0.0),
+            prompt_lengths=prompt_distribution(load.prompt_histogram, mean_prompt),
+            arrival_dispersion=max(load.arrival_dispersion, 0.0),
         )
+
+
+def prompt_distribution(
+    histogram: tuple[float, ...], mean_prompt: float
+) -> tuple[tuple[float, float], ...]:
+    """(prompt length, probability) per non-empty histogram bin, the lengths scaled so
+    their mean is the measured mean prompt (the bins are a factor of two wide; the
+    mean is measured exactly); empty when there is no histogram."""
+    total = sum(histogram)
+    if total <= 0.0 or mean_prompt <= 0.0:
+        return ()
+    centers = prompt_bin_centers()
+    points = [(centers[i], h / total) for i, h in enumerate(histogram) if h > 0.0]
+    binned_mean = sum(length * p for length, p in points)
+    scale = mean_prompt / binned_mean if binned_mean > 0.0 else 1.0
+    return tuple((length * scale, p) for length, p in points)
 
 
 @dataclass(frozen=True)
@@ -142,6 +164,12 @@ class LatencyPrediction:
     decode_batch: float
     prefill_utilisation: float  # share of time the prefill "server" is busy
     bottleneck: str  # "" when feasible, else what saturates
+    # Share of requests whose prefill alone, on an idle replica, exceeds the TTFT
+    # limit the prediction was asked about: no replica count serves them in time,
+    # and ``ttft_ms`` is the quantile over the others.
+    unreachable_share: float = 0.0
+    # Of the other requests, the share predicted to exceed that limit (0: not asked).
+    ttft_miss_share: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -172,6 +200,43 @@ def _overloaded(replicas: int, bottleneck: str, step_s: float, batch: float) -> 
     )
 
 
+def _ttft_exceedance(
+    services: list[tuple[float, float]], wait_mean: float, rho: float, floor: float
+) -> Callable[[float], float]:
+    """P(wait + service + floor > t) as a function of t (seconds).
+
+    The wait's tail is exponential, P(W > w) = rho * exp(-w * rho / wait_mean)
+    (the M/G/1 heavy-traffic shape behind Kingman's mean); the service is drawn
+    from ``services`` ((seconds, probability), probabilities summing to 1).
+    """
+
+    def exceed(t: float) -> float:
+        total = 0.0
+        for s, p in services:
+            w = t - s - floor
+            if w < 0.0:
+                total += p
+            elif wait_mean > 0.0 and rho > 0.0:
+                total += p * min(1.0, rho * math.exp(-w * rho / wait_mean))
+        return total
+
+    return exceed
+
+
+def _ttft_quantile(exceed: Callable[[float], float], start: float, q_tail: float) -> float:
+    """Smallest t with ``exceed(t) <= q_tail`` (bisection from [0, start], doubling)."""
+    lo, hi = 0.0, max(start, 1e-6)
+    while exceed(hi) > q_tail:
+        hi *= 2.0
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if exceed(mid) > q_tail:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 def no_replicas_prediction() -> LatencyPrediction:
     """What zero replicas serve: nothing (infeasible, not "as if one replica")."""
     return LatencyPrediction(
@@ -193,8 +258,17 @@ def predict_latency(
     engine: EngineLimits,
     policy: LatencySettings,
     replicas: int = 1,
+    ttft_limit_ms: float | None = None,
 ) -> LatencyPrediction:
-    """Steady-state TTFT/ITL of one replica carrying ``load`` (see module docstring)."""
+    """Steady-state TTFT/ITL of one replica carrying ``load`` (see module docstring).
+
+    With a measured prompt-length distribution (``load.prompt_lengths``) the
+    prefill service time is averaged over it (attention grows with the context,
+    so the mean prompt's time is too low), its CV^2 is measured rather than
+    assumed, and the TTFT quantile is taken over the distribution. Prompts whose
+    prefill alone exceeds ``ttft_limit_ms`` on an idle replica still load it, but
+    the TTFT quantile is over the others (see ``unreachable_share``).
+    """
     rate = load.prefill_requests_per_s
     tokens = load.prefill_tokens_per_s
     if rate <= 0.0 and tokens > 0.0:
@@ -205,6 +279,14 @@ def predict_latency(
     cached = load.mean_cached_tokens
     context = load.mean_decode_context_tokens
     budget = engine.max_num_batched_tokens
+    # Computed tokens per prompt, by prompt-length class: the measured lengths
+    # (full prompts) scaled to the computed mean, or the mean alone.
+    if load.prompt_lengths:
+        full_mean = sum(length * p for length, p in load.prompt_lengths)
+        scale = prompt / full_mean if full_mean > 0.0 else 1.0
+        classes = [(max(length * scale, 1.0), p) for length, p in load.prompt_lengths]
+    else:
+        classes = [(prompt, 1.0)]
 
     def pass_time(batch: float, chunk: float, prior_kv: float) -> float:
         # The predictor takes whole requests; interpolate between the two batch
@@ -229,13 +311,18 @@ def predict_latency(
     def decode_pass(batch: float) -> float:
         return pass_time(batch, 0.0, 0.0)
 
-    def prefill_pass(chunk: float, prior_kv: float, batch: float) -> float:
-        return pass_time(batch, max(chunk, 1.0), prior_kv)
+    def prefill_of(length: float, room: float, batch: float) -> tuple[float, float]:
+        """(chunks, time of one chunk's pass) for a prompt of ``length`` computed tokens."""
+        # Fractional chunk count keeps the prediction monotone in the load.
+        chunks = max(1.0, length / room)
+        chunk = length / chunks
+        return chunks, pass_time(batch, max(chunk, 1.0), cached + chunk * (chunks - 1.0) / 2.0)
 
     step = max(decode_pass(1.0), 1e-6)
     batch = 0.0
-    f_d = f_p = step
-    chunks = 1.0
+    f_d = step
+    chunk_room = float(budget)
+    prefills = [(1.0, step, 1.0)]  # (chunks, chunk pass time, probability) per class
     for _ in range(_FIXED_POINT_ITERATIONS):
         batch = load.decode_tokens_per_s * step
         if batch > engine.max_num_seqs:
@@ -247,12 +334,9 @@ def predict_latency(
         chunk_room = budget - math.ceil(pass_batch)
         if chunk_room < 1:
             return _overloaded(replicas, "token_budget", step, batch)
-        # Fractional chunk count keeps the prediction monotone in the load.
-        chunks = max(1.0, prompt / chunk_room)
-        chunk = prompt / chunks
         f_d = decode_pass(pass_batch)
-        f_p = prefill_pass(chunk, cached + chunk * (chunks - 1.0) / 2.0, pass_batch)
-        extra_share = rate * chunks * max(f_p - f_d, 0.0)
+        prefills = [(*prefill_of(length, chunk_room, pass_batch), p) for length, p in classes]
+        extra_share = rate * sum(p * n * max(f - f_d, 0.0) for n, f, p in prefills)
         if extra_share >= 1.0:
             return _overloaded(replicas, "prefill_compute", step, batch)
         new_step = f_d / (1.0 - extra_share)
@@ -265,29 +349,65 @@ def predict_latency(
 
     z = NormalDist().inv_cdf(policy.latency_quantile)
     q_tail = 1.0 - policy.latency_quantile
+    # Prefill service time per class, its mean and CV^2 (measured when the prompt
+    # lengths are; else the mean prompt's time and the policy's prior CV^2).
+    services = [(n * f, p) for n, f, p in prefills]
+    service = sum(t * p for t, p in services)
+    if len(services) > 1 and service > 0.0:
+        service_cv2 = sum(p * (t - service) ** 2 for t, p in services) / service**2
+    else:
+        service_cv2 = policy.service_cv2
+    dispersion = load.arrival_dispersion if load.arrival_dispersion > 0.0 else 1.0
     # ITL: mean step, plus the spread of a short request's mean: the prompts that
-    # arrive during its life are a compound Poisson count (prompt sizes vary).
-    prefill_step_share = rate * chunks * step
+    # arrive during its life are a compound count (dispersion of the arrivals,
+    # variability of their sizes).
+    chunks_mean = sum(n * p for n, _, p in prefills)
+    f_p = sum(n * f * p for n, f, p in prefills) / max(chunks_mean, 1e-9)
+    prefill_step_share = rate * chunks_mean * step
     mean_output = load.decode_tokens_per_s / rate if rate > 0.0 else 1.0
     tail_tokens = max(mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens)
     spread = max(f_p - f_d, 0.0) * math.sqrt(
-        prefill_step_share * (1.0 + policy.service_cv2) / tail_tokens
+        prefill_step_share * (dispersion + service_cv2) / tail_tokens
     )
     itl_mean = step
     itl_q = step + z * spread
 
     # TTFT: G/G/1 on the prefill server (Kingman), exponential tail for the quantile.
-    service = chunks * f_p
     rho = rate * service
     if rho >= 1.0:
         return _overloaded(replicas, "prefill_queue", step, batch)
-    arrival_cv2 = 1.0 / max(replicas, 1) if policy.balanced_routing else 1.0
-    wait_mean = rho * service * (arrival_cv2 + policy.service_cv2) / (2.0 * (1.0 - rho))
-    wait_q = 0.0
-    if rho > q_tail:
-        wait_q = (wait_mean / rho) * math.log(rho / q_tail)
+    # A balancing router splits the fleet's arrivals evenly: per replica, the count
+    # of a second is the fleet's over ``replicas``, so its dispersion is the fleet's
+    # over ``replicas`` (Poisson: 1/replicas, Erlang gaps). A random spread keeps it.
+    arrival_cv2 = dispersion / max(replicas, 1) if policy.balanced_routing else dispersion
+    wait_mean = rho * service * (arrival_cv2 + service_cv2) / (2.0 * (1.0 - rho))
     ttft_mean = wait_mean + service + f_d / 2.0
-    ttft_q = wait_q + service * policy.prompt_tail_ratio + f_d
+    unreachable = 0.0
+    reachable = services
+    if ttft_limit_ms is not None and len(services) > 1:
+        alone = [prefill_of(length, budget, 0.0) for length, _ in classes]
+        idle_floor = decode_pass(0.0)
+        keep = [n * f + idle_floor <= ttft_limit_ms / 1e3 for n, f in alone]
+        unreachable = sum(p for ok, (_, p) in zip(keep, services, strict=True) if not ok)
+        reachable = [sp for ok, sp in zip(keep, services, strict=True) if ok]
+    if len(services) > 1:
+        mass = sum(p for _, p in reachable)
+        if mass > 0.0:
+            spread_services = [(t, p / mass) for t, p in reachable]
+            exceed = _ttft_exceedance(spread_services, wait_mean, rho, f_d)
+            start = max(t for t, _ in reachable) + f_d + 2.0 * wait_mean / max(rho, 1e-9)
+            ttft_q = _ttft_quantile(exceed, start, q_tail)
+        else:
+            exceed = None
+            ttft_q = math.inf
+    else:
+        exceed = _ttft_exceedance([(service * policy.prompt_tail_ratio, 1.0)], wait_mean, rho, f_d)
+        wait_q = (wait_mean / rho) * math.log(rho / q_tail) if rho > q_tail else 0.0
+        ttft_q = wait_q + service * policy.prompt_tail_ratio + f_d
+    # Of the requests that can meet the limit, the share predicted to miss it.
+    ttft_miss = 0.0
+    if ttft_limit_ms is not None:
+        ttft_miss = exceed(ttft_limit_ms / 1e3) if exceed is not None else 1.0
     return LatencyPrediction(
         replicas=replicas,
         ttft_ms=ttft_q * 1e3,
@@ -298,6 +418,8 @@ def predict_latency(
         decode_batch=batch,
         prefill_utilisation=rho,
         bottleneck="",
+        unreachable_share=unreachable,
+        ttft_miss_share=ttft_miss,
     )
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +60,7 @@ from stepscale_engine.wire import (
 from stepscale_operator.load_types import (
     BUDGET_FACTOR,
     BUDGET_FLOOR,
+    PROMPT_BIN_EDGES,
     LoadEstimate,
     implausible_passes,
     over_budget,
@@ -75,6 +77,7 @@ from stepscale_operator.pass_columns import (
     SCHED_PREFILL_KV,
     SCHED_PREFILL_REQS,
     SCHED_PREFILL_TOKENS,
+    SCHED_PREFILL_VAR,
 )
 from stepscale_operator.stream_state import (
     DEFAULT_STALE_AFTER_S,
@@ -104,8 +107,13 @@ _Q_COLS = [QUEUED_PREFILL_REQS, QUEUED_PREFILL_TOKENS, QUEUED_DECODE_REQS]
     _QS_PREFILL_REQS,  # queue x seconds: integrals that give time-weighted mean queues
     _QS_PREFILL_TOKENS,
     _QS_DECODE_REQS,
-) = range(14)
-_N_COLS = 14
+    _DECODE_WALL_S,  # sum of decode requests x pass wall time: token-weighted ITL
+    _PREFILL_WALL_S,  # sum of prefill requests x pass wall time: time spent in prefill
+    _QUEUE_LAST,  # queued prefill requests at the bucket's last message (not a sum)
+    _QUEUE_SEEN,  # 1 when the bucket has a message (not a sum)
+) = range(18)
+_HIST = 18  # first of the prompt-length histogram columns (PROMPT_BIN_EDGES)
+_N_COLS = _HIST + len(PROMPT_BIN_EDGES)
 _QS_COLS = [_QS_PREFILL_REQS, _QS_PREFILL_TOKENS, _QS_DECODE_REQS]
 # Columns whose trend is reported, in LoadEstimate order.
 _TREND_COLS = [_PREFILL_TOKENS, _DECODE_TOKENS, _QS_PREFILL_TOKENS, _QS_DECODE_REQS]
@@ -128,8 +136,16 @@ _NEEDS_FRESH = frozenset(
         "queued_prefill_tokens_mean",
         "queued_decode_requests_mean",
         "busy_fraction",
+        "prompt_histogram",
+        "arrival_dispersion",
+        "realized_itl_mean_ms",
+        "realized_itl_tail_ms",
+        "realized_ttft_mean_ms",
+        "realized_ttft_tail_ms",
     }
 )
+# Fewer arrivals than this in the window say nothing of their dispersion.
+_MIN_ARRIVALS_FOR_DISPERSION = 20.0
 _TREND_FIELDS = frozenset(
     {
         "prefill_tokens_per_s_trend",
@@ -168,6 +184,7 @@ class LoadEstimator:
         max_streams: int = 4096,
         budget_factor: float = BUDGET_FACTOR,
         budget_floor: float = BUDGET_FLOOR,
+        tail_quantile: float = 0.99,
     ) -> None:
         if window_s <= 0 or bucket_s <= 0 or window_s < bucket_s:
             raise ValueError("need 0 < bucket_s <= window_s")
@@ -178,6 +195,7 @@ class LoadEstimator:
         self.max_streams = int(max_streams)
         self.budget_factor = float(budget_factor)
         self.budget_floor = float(budget_floor)
+        self.tail_quantile = float(tail_quantile)
         self._n_window = int(math.ceil(self.window_s / self.bucket_s))
         self._ring_len = self._n_window + 1
         # Least recently seen first, so evicting the longest-silent stream is O(1).
@@ -376,6 +394,9 @@ class LoadEstimator:
         cols[:, _PROMPT_REQS_FINAL] = np.where(final, n_pre, 0.0)
         cols[:, _PROMPT_TOKENS_ALL] = np.where(has_prefill, c + k, 0.0)
         cols[:, _PROMPT_REQS_ALL] = np.where(has_prefill, n_pre, 0.0)
+        cols[:, _DECODE_WALL_S] = n_dec * cols[:, _BUSY_S]
+        cols[:, _PREFILL_WALL_S] = n_pre * cols[:, _BUSY_S]
+        _add_prompt_lengths(cols, final, c + k, n_pre, s[:, SCHED_PREFILL_VAR])
         per_stream = np.add.reduceat(cols, starts, axis=0)
         per_stream[:, _QS_COLS] = queue_seconds
 
@@ -385,6 +406,9 @@ class LoadEstimator:
         self._sums[streams[stale_bucket], pos] = 0.0
         self._bucket_id[streams, pos] = bucket
         self._sums[streams, pos] += per_stream
+        # Not sums: the queue as the bucket ends, for the arrivals' mass balance.
+        self._sums[streams, pos, _QUEUE_LAST] = self._queued[streams, 0]
+        self._sums[streams, pos, _QUEUE_SEEN] = 1.0
 
     def _held_for(self, slots: npt.NDArray[np.int64], now: float) -> FloatArray:
         """Seconds each stream's latest queue has held (0 if none; capped at staleness)."""
@@ -444,6 +468,19 @@ class LoadEstimator:
             unavailable |= _TREND_FIELDS
             found = (np.zeros(len(_TREND_COLS)), 0.0, 0.0)
         trends, prefill_queue_change, recent_demand = found
+        shapes = self._shapes(ids, in_window, sums, bucket)
+        if shapes is None:
+            unavailable |= {"prompt_histogram", "arrival_dispersion"}
+            unavailable |= {n for n in _REALIZED_FIELDS}
+            shapes = _Shapes((), 0.0, 0.0, 0.0, 0.0, 0.0)
+        else:
+            if not shapes.prompt_histogram:
+                unavailable.add("prompt_histogram")
+            if shapes.arrival_dispersion <= 0.0:
+                unavailable.add("arrival_dispersion")
+            for name in _REALIZED_FIELDS:
+                if getattr(shapes, name) <= 0.0:
+                    unavailable.add(name)
         return LoadEstimate(
             window_s=self.window_s,
             streams_total=len(keys),
@@ -468,9 +505,46 @@ class LoadEstimator:
             queued_prefill_tokens_change_per_s=prefill_queue_change,
             prefill_demand_tokens_per_s_recent=recent_demand,
             queued_decode_requests_trend=float(trends[3]),
+            prompt_histogram=shapes.prompt_histogram,
+            arrival_dispersion=shapes.arrival_dispersion,
+            realized_itl_mean_ms=shapes.realized_itl_mean_ms,
+            realized_itl_tail_ms=shapes.realized_itl_tail_ms,
+            realized_ttft_mean_ms=shapes.realized_ttft_mean_ms,
+            realized_ttft_tail_ms=shapes.realized_ttft_tail_ms,
             missing_streams=missing,
             unavailable=frozenset(unavailable),
         )
+
+    def _shapes(
+        self,
+        ids: npt.NDArray[np.int64],
+        in_window: npt.NDArray[np.bool_],
+        sums: FloatArray,
+        bucket: int,
+    ) -> _Shapes | None:
+        """Prompt-length histogram, dispersion of arrivals per second, and the realized
+        latency of the window's (stream, second) cells; None with no fresh stream."""
+        if ids.size == 0:
+            return None
+        totals = sums.sum(axis=(0, 1))
+        hist = totals[_HIST:]
+        histogram = tuple(float(h) for h in hist) if hist.sum() > 0.0 else ()
+        # Dense (stream, age) grid, newest bucket first; ring entries outside the
+        # window are zero.
+        n = self._n_window
+        age = np.where(in_window, bucket - ids, n)
+        grid = np.zeros((ids.shape[0], n + 1, _N_COLS))
+        rows = np.repeat(np.arange(ids.shape[0]), ids.shape[1])
+        grid[rows, age.ravel()] = sums.reshape(-1, _N_COLS)
+        grid = grid[:, :n][:, ::-1]  # oldest first
+        dispersion = _dispersion(grid)
+        cells = grid.reshape(-1, _N_COLS)
+        q = self.tail_quantile
+        itl = _cell_latency(cells[:, _DECODE_WALL_S], cells[:, _DECODE_TOKENS], q)
+        ttft = _cell_latency(
+            cells[:, _QS_PREFILL_REQS] + cells[:, _PREFILL_WALL_S], cells[:, _PREFILL_FINISHED], q
+        )
+        return _Shapes(histogram, dispersion, *itl, *ttft)
 
     def _trends(
         self,
@@ -535,6 +609,83 @@ class LoadEstimator:
         v = np.asarray(values)  # (subs, cols)
         slopes = (t[:, None] * (v - v.mean(axis=0))).sum(axis=0) / float((t * t).sum())
         return np.asarray(slopes), change, recent_demand
+
+
+_REALIZED_FIELDS = (
+    "realized_itl_mean_ms",
+    "realized_itl_tail_ms",
+    "realized_ttft_mean_ms",
+    "realized_ttft_tail_ms",
+)
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    prompt_histogram: tuple[float, ...]
+    arrival_dispersion: float
+    realized_itl_mean_ms: float
+    realized_itl_tail_ms: float
+    realized_ttft_mean_ms: float
+    realized_ttft_tail_ms: float
+
+
+def _add_prompt_lengths(
+    cols: FloatArray,
+    final: npt.NDArray[np.bool_],
+    prompt_tokens: FloatArray,
+    requests: FloatArray,
+    variance: FloatArray,
+) -> None:
+    """Histogram the full prompt lengths of the prompts each final pass finishes.
+
+    A pass reports the mean and variance of its requests' lengths, not each one:
+    with several, half go one standard deviation either side of the mean (the
+    same two moments), one alone is exact.
+    """
+    rows = np.flatnonzero(final & (requests > 0))
+    if rows.size == 0:
+        return
+    n = requests[rows]
+    mean = prompt_tokens[rows] / n
+    spread = np.where(n > 1, np.sqrt(np.maximum(variance[rows], 0.0)), 0.0)
+    edges = np.asarray(PROMPT_BIN_EDGES)
+    for sign in (-1.0, 1.0):
+        length = np.maximum(mean + sign * spread, 1.0)
+        idx = np.clip(np.searchsorted(edges, length, side="right") - 1, 0, len(edges) - 1)
+        np.add.at(cols, (rows, _HIST + idx), n / 2.0)
+
+
+def _dispersion(grid: FloatArray) -> float:
+    """Variance over mean of the fleet's arrivals per bucket (0: too few to tell).
+
+    Arrivals of a stream in a bucket = prompts that finished prefill there plus the
+    growth of its prefill queue since the bucket before (mass balance); the queue
+    holds across buckets without a message. The oldest bucket (no queue before it)
+    and the newest (still filling) are left out.
+    """
+    queue = grid[:, :, _QUEUE_LAST].copy()
+    seen = grid[:, :, _QUEUE_SEEN] > 0.0
+    for j in range(1, queue.shape[1]):
+        queue[:, j] = np.where(seen[:, j], queue[:, j], queue[:, j - 1])
+    arrivals = grid[:, 1:, _PREFILL_FINISHED] + np.diff(queue, axis=1)
+    fleet = arrivals.sum(axis=0)[:-1]
+    if fleet.size < 3 or fleet.sum() < _MIN_ARRIVALS_FOR_DISPERSION:
+        return 0.0
+    mean = float(fleet.mean())
+    return float(fleet.var(ddof=1) / mean) if mean > 0.0 else 0.0
+
+
+def _cell_latency(seconds: FloatArray, count: FloatArray, quantile: float) -> tuple[float, float]:
+    """Mean and ``quantile`` (count-weighted over cells) of ``seconds / count``, in ms."""
+    has = count > 0.0
+    if not has.any():
+        return 0.0, 0.0
+    per = seconds[has] / count[has]
+    weight = count[has]
+    order = np.argsort(per)
+    cumulative = np.cumsum(weight[order]) / weight.sum()
+    tail = float(per[order][min(int(np.searchsorted(cumulative, quantile)), per.size - 1)])
+    return float(seconds[has].sum() / weight.sum()) * 1e3, tail * 1e3
 
 
 def _ratio(num: float, den: float) -> float | None:

@@ -24,7 +24,28 @@ from stepscale_operator.pass_columns import (
     SCHED_PREFILL_TOKENS,
 )
 
-LoadValue = float | int | bool | list[str] | None
+LoadValue = float | int | bool | list[str] | list[float] | None
+
+# Prompt-length histogram bins (tokens): bin ``i`` holds prompts in
+# ``[PROMPT_BIN_EDGES[i], PROMPT_BIN_EDGES[i + 1])``, the last one everything above.
+# Powers of two from 16 to 512k: the tail of long-context traffic keeps its shape.
+PROMPT_BIN_EDGES: tuple[float, ...] = tuple(float(2**k) for k in range(4, 20))
+
+
+def prompt_bin_centers() -> tuple[float, ...]:
+    """A representative prompt length of each histogram bin (geometric centre)."""
+    edges = PROMPT_BIN_EDGES
+    return tuple(
+        (edges[i] * edges[i + 1]) ** 0.5 if i + 1 < len(edges) else edges[i] * 2**0.5
+        for i in range(len(edges))
+    )
+
+
+def prompt_histogram_of(lengths: npt.NDArray[np.float64]) -> tuple[float, ...]:
+    """Counts of ``lengths`` in the :data:`PROMPT_BIN_EDGES` bins."""
+    idx = np.clip(np.searchsorted(PROMPT_BIN_EDGES, lengths, side="right") - 1, 0, None)
+    counts = np.bincount(idx, minlength=len(PROMPT_BIN_EDGES))
+    return tuple(float(c) for c in counts[: len(PROMPT_BIN_EDGES)])
 
 
 @dataclass(frozen=True)
@@ -70,6 +91,21 @@ class LoadEstimate:
     # plus the queue's growth there): sees a step in the arrivals within seconds, where
     # the window's mass balance still averages it with the load before. Noisier.
     prefill_demand_tokens_per_s_recent: float = 0.0
+    # Shapes measured from the streams (what the latency model needs besides means):
+    # prompts that finished prefill per :data:`PROMPT_BIN_EDGES` bin (empty: unknown),
+    # and the index of dispersion (variance / mean) of the fleet's arrivals per second
+    # (1 for Poisson arrivals; 0: unknown).
+    prompt_histogram: tuple[float, ...] = ()
+    arrival_dispersion: float = 0.0
+    # Realized latency over the window, from the passes themselves (0: unknown): the
+    # mean inter-token latency (pass wall times weighted by decode requests), and the
+    # mean TTFT (queue wait by Little's law plus time in prefill passes); each with
+    # its tail: the planning quantile over (stream, second) cells, weighted by tokens
+    # (ITL) or prompts (TTFT).
+    realized_itl_mean_ms: float = 0.0
+    realized_itl_tail_ms: float = 0.0
+    realized_ttft_mean_ms: float = 0.0
+    realized_ttft_tail_ms: float = 0.0
     missing_streams: tuple[str, ...] = ()  # ``worker_id/dp_rank`` of stale or silent streams
     unavailable: frozenset[str] = field(default_factory=frozenset)  # fields with no data
 
@@ -84,7 +120,7 @@ class LoadEstimate:
         for key, value in asdict(self).items():
             if key == "unavailable":
                 continue
-            if key == "missing_streams":
+            if key in ("missing_streams", "prompt_histogram"):
                 d[key] = list(value)
             else:
                 d[key] = None if key in self.unavailable else value

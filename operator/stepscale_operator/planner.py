@@ -11,7 +11,19 @@ in :mod:`stepscale_operator.latency_model`.
 
 The target is the smallest replica count whose predicted TTFT and ITL (at the
 planning quantile) are within the SLO less a margin (grown by the model's error),
-for the load expected one pod start-up ahead. On top of that:
+for the load expected one pod start-up ahead. :meth:`Planner.decide` is a short
+sequence of stages, each returning a typed value with its reason
+(:mod:`~stepscale_operator.planner_stages`): fleet, demand, measured latency
+(the closed loop, :mod:`~stepscale_operator.closed_loop`), capacity need, burst
+floor (:mod:`~stepscale_operator.burst_floor`), floors, then scale up, scale
+down or hold; the binding stage's reason is the decision's. On top of the target:
+
+* Out of reach: prompts whose prefill alone exceeds the TTFT SLO on an idle
+  replica load the fleet but are not planned for (their share is reported); where
+  no count meets the SLO at all, the target is what the most replicas achieve plus
+  ``out_of_reach_slack``, never maxReplicas for nothing.
+* Closed loop: predictions carry the correction learned from the realized latency,
+  and a sustained realized miss adds a replica whatever the model says.
 
 * Backlog: the load estimate measures *served* work. Once the queued prefill
   tokens exceed a share of the TTFT budget per replica, the fleet is behind: the
@@ -40,11 +52,12 @@ for the load expected one pod start-up ahead. On top of that:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from stepscale_engine.wire import ScheduledRequestMetrics
-from stepscale_operator.burst_recurrence import BurstRecurrence, RecurringBurst
+from stepscale_operator.burst_floor import BurstMemory
+from stepscale_operator.closed_loop import Feedback, LatencyFeedback
 from stepscale_operator.latency_model import (
     EngineLimits,
     LatencyPrediction,
@@ -57,6 +70,14 @@ from stepscale_operator.latency_model import (
     smallest_replicas_within_slo,
 )
 from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.planner_stages import (
+    BurstFloor,
+    CapacityNeed,
+    Demand,
+    FleetNow,
+    Floors,
+    Verdict,
+)
 
 
 class _RememberedPredictions:
@@ -121,8 +142,25 @@ class PlannerPolicy:
     # next), so plan for at least this multiple of the measured load.
     min_lookahead_ratio: float = 1.1
     latency_quantile: float = 0.99  # TTFT/ITL are planned at this quantile
-    prompt_tail_ratio: float = 3.5  # the quantile prompt is this many times the mean
-    service_cv2: float = 1.0  # squared coefficient of variation of prefill service time
+    # Priors for a load estimate without a measured prompt-length distribution (a
+    # stream too young, a hand-made estimate): the quantile prompt is this many
+    # times the mean, and the prefill service time has this CV^2. Once the streams
+    # report prompt lengths, both come from the measured distribution.
+    prompt_tail_ratio: float = 3.5
+    service_cv2: float = 1.0
+    # Where no replica count meets the SLO, plan for this much above what the most
+    # replicas achieve (never pin at maxReplicas for a target no count reaches).
+    out_of_reach_slack: float = 0.10
+    # ... and where TTFT is out of reach, plan for at most this share of requests
+    # more missing it than the most replicas would (half a point).
+    out_of_reach_miss_share: float = 0.005
+    # Closed loop (:mod:`~stepscale_operator.closed_loop`): the realized latency above
+    # the SLO for this long at a settled fleet adds a replica even when the model
+    # says all is well, and the model's learned correction is bounded by this factor
+    # (closed_loop False: neither).
+    closed_loop: bool = True
+    measured_miss_s: float = 30.0
+    max_latency_correction: float = 3.0
     # A router that balances requests (least outstanding, round robin) splits the
     # fleet's Poisson arrivals into per-replica streams with interarrival CV^2 of
     # about 1/replicas (exactly, for round robin: Erlang-n gaps); a random spread
@@ -247,14 +285,12 @@ class _Recommendation:
     replicas: int
 
 
-def _recurring_words(burst: RecurringBurst, now: float) -> str:
-    """Why capacity waits for a recurring burst, in words."""
-    due = burst.next_onset - now
-    when = f"due in {due:.0f}s" if due >= 0.0 else f"due {-due:.0f}s ago"
-    return (
-        f"bursts recur every {burst.period_s:.0f}s (last {burst.bursts}); the next is "
-        f"{when} and the recent ones needed {burst.peak_need}"
-    )
+@dataclass(frozen=True)
+class _Backlog:
+    ratio: float  # arrivals over served (the demand ratio)
+    extra: int  # replicas that drain the queue within the drain time
+    queued: float  # queued prefill tokens now
+    growth: float  # their change per second over the window
 
 
 def with_demand(load: LoadEstimate, ratio: float) -> LoadEstimate:
@@ -277,38 +313,105 @@ class Planner:
         self.policy = policy or PlannerPolicy()
         self._history: list[_Recommendation] = []
         self._first_decision_time: float | None = None
-        self._needs: list[_Recommendation] = []  # need on the measured demand, for bursts
-        self._last_burst: float | None = None
-        self._burst_began = 0.0  # when the last burst's rise began (its low point)
         self._demand_history: list[tuple[float, float]] = []  # (time, measured demand rate)
         self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
         # (time, prefill tokens per request), for the mix memory
         self._mix: list[tuple[float, float]] = []
-        self._recurrence = BurstRecurrence(
-            self.policy.recurring_bursts, self.policy.burst_period_tolerance
+        # (time, prompt-length histogram), for the usual shape
+        self._shapes: list[tuple[float, tuple[float, ...], float]] = []
+        self._bursts = BurstMemory(self.policy)
+        self._feedback = LatencyFeedback(
+            settle_s=self.policy.measured_miss_s,
+            persistence_s=self.policy.measured_miss_s,
+            max_correction=self.policy.max_latency_correction,
+            tail_share=1.0 - self.policy.latency_quantile,
         )
 
     def burst_onsets(self) -> list[tuple[float, int]]:
         """The bursts the period is learned from: (onset, peak need), on the clock of
         ``decide``; what to save so a new planner need not learn them again."""
-        return self._recurrence.onsets()
+        return self._bursts.onsets()
 
     def restore_burst_onsets(self, onsets: Sequence[tuple[float, int]]) -> None:
         """Start from bursts seen before (see :meth:`burst_onsets`), on this clock."""
-        self._recurrence.restore(onsets)
+        self._bursts.restore(onsets)
 
     def decide(self, inputs: PlannerInputs, now: float) -> Decision:
-        """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``)."""
-        policy = self.policy
-        timed_out = sum(
-            1 for t in inputs.replicas.starting_since if now - t > policy.starting_timeout_s
+        """One decision at time ``now`` (seconds, same clock as ``inputs.load_time``).
+
+        The stages, in order: the fleet (and the spec's bounds), whether the data
+        may be judged at all, the demand, the capacity it needs, the floors
+        (backlog, bursts, pods stuck starting, bounds), then scale up, scale down
+        (the stabilization window) or hold. The binding stage gives the reason.
+        """
+        fleet = self._fleet(inputs, now)
+        record = self._base_record(inputs, fleet, now)
+        if fleet.total > fleet.high:
+            return self._clamp_to_max(inputs, now, fleet, record)
+        stale_reason = self._stale_reason(inputs, now)
+        if stale_reason:
+            return self._hold_or_raise_to_min(
+                inputs, now, fleet, record, f"{stale_reason}; never scale down on missing data"
+            )
+        if not inputs.model_ready:
+            return self._queue_rule(inputs, now, fleet, record)
+        # The stabilization window counts from the first decision made on the model
+        # with fresh data: the queue rule and stale holds never justify scale-down.
+        if self._first_decision_time is None:
+            self._first_decision_time = now
+
+        demand = self._demand(inputs, now)
+        feedback, predict = self._measured_latency(inputs, fleet, now)
+        need = self._capacity_need(inputs, demand, fleet, predict)
+        # Bursts are judged, and remembered, on the measured load's need: not on a
+        # forecast or a backlog allowance, which would keep an overshoot.
+        bursts = self._bursts.floor(
+            now, need.measured_need, demand.horizon_s, self._first_decision_time
         )
-        total = inputs.replicas.ready + len(inputs.replicas.starting_since)
-        coming = total - timed_out  # capacity that is serving or will be
-        record: dict[str, object] = {
-            "ready": inputs.replicas.ready,
-            "starting": len(inputs.replicas.starting_since),
-            "starting_timed_out": timed_out,
+        floors = self._floors(need, demand, bursts, feedback, fleet)
+        for part in (demand, feedback, need, bursts, floors):
+            record.update(part.record())
+        confidence = max(0.0, 1.0 - 2.0 * (inputs.model_mape or 0.0)) * (
+            1.0 if need.reachable else 0.5
+        )
+        if floors.needed + fleet.timed_out > fleet.total or fleet.total < fleet.low:
+            verdict = self._scale_up(inputs, now, fleet, demand, need, bursts, feedback, floors)
+        else:
+            verdict = self._scale_down_or_hold(now, fleet, need, bursts, floors, record)
+        record["predictions_load"] = verdict.basis
+        reason = f"{verdict.reason}; {need.caveat}" if need.caveat else verdict.reason
+        load = demand.measured if verdict.basis == "measured" else demand.planned
+        return self._finish(
+            inputs,
+            now,
+            fleet.total,
+            verdict.desired,
+            reason,
+            confidence,
+            record,
+            predict(fleet.ready, load),
+            predict(verdict.serving_after, load),
+        )
+
+    # -- stages ------------------------------------------------------------------
+
+    def _fleet(self, inputs: PlannerInputs, now: float) -> FleetNow:
+        """The replicas now and the bounds (maxReplicas never below minReplicas)."""
+        timed_out = sum(
+            1 for t in inputs.replicas.starting_since if now - t > self.policy.starting_timeout_s
+        )
+        return FleetNow(
+            ready=inputs.replicas.ready,
+            starting=len(inputs.replicas.starting_since),
+            timed_out=timed_out,
+            low=inputs.min_replicas,
+            high=max(inputs.max_replicas, inputs.min_replicas),
+        )
+
+    def _base_record(self, inputs: PlannerInputs, fleet: FleetNow, now: float) -> dict[str, object]:
+        """What every decision records of its inputs."""
+        return {
+            **fleet.record(),
             "model_ready": inputs.model_ready,
             "model_mape": inputs.model_mape,
             "load": inputs.load.to_dict() if inputs.load is not None else None,
@@ -318,36 +421,76 @@ class Planner:
             "max_replicas": inputs.max_replicas,
             "engine": asdict(inputs.engine),
             "pod_startup_s": inputs.pod_startup_s,
-            "policy": asdict(policy),
+            "policy": asdict(self.policy),
         }
-        lo, hi = inputs.min_replicas, max(inputs.max_replicas, inputs.min_replicas)
 
-        if total > hi:
-            return self._clamp_to_max(inputs, now, total, hi, record)
+    def _predictions(
+        self, inputs: PlannerInputs
+    ) -> Callable[[int, LoadEstimate], LatencyPrediction]:
+        """Predicted latency at ``n`` replicas for a load (one cache per decision)."""
+        predictor = _RememberedPredictions(inputs.predictor)
+        # A prompt is out of reach when its prefill alone, on an idle replica, is
+        # beyond what the planner aims for (the SLO less the margin): no count can
+        # bring it within the target, so the TTFT quantile is planned over the rest.
+        limit = inputs.slo.ttft_ms * (1.0 - self._margin(inputs))
 
-        stale_reason = self._stale_reason(inputs, now)
-        if stale_reason:
-            return self._hold_or_raise_to_min(
-                inputs, now, total, lo, record, f"{stale_reason}; never scale down on missing data"
+        def prediction(n: int, load: LoadEstimate) -> LatencyPrediction:
+            if n <= 0:
+                return no_replicas_prediction()
+            per = PerReplicaLoad.from_estimate(load, n)
+            return predict_latency(
+                predictor, per, inputs.engine, self.policy, n, ttft_limit_ms=limit
             )
+
+        return prediction
+
+    def _measured_latency(
+        self, inputs: PlannerInputs, fleet: FleetNow, now: float
+    ) -> tuple[Feedback, Callable[[int, LoadEstimate], LatencyPrediction]]:
+        """The closed loop: the realized latency against the SLO and the model, and
+        the predictions with the model's learned correction applied."""
+        raw = self._predictions(inputs)
         assert inputs.load is not None
+        if not self.policy.closed_loop or fleet.ready <= 0:
+            feedback = Feedback(1.0, 1.0, None, None, None, None, 0.0, 0, "")
+            return feedback, raw
+        feedback = self._feedback.observe(
+            now, fleet.ready, fleet.starting, inputs.load, raw(fleet.ready, inputs.load), inputs.slo
+        )
+        itl_c, ttft_c = feedback.itl_correction, feedback.ttft_correction
+        if itl_c == 1.0 and ttft_c == 1.0:
+            return feedback, raw
 
-        if not inputs.model_ready:
-            return self._queue_rule(inputs, now, total, lo, hi, record)
+        def corrected(n: int, load: LoadEstimate) -> LatencyPrediction:
+            pred = raw(n, load)
+            if not pred.feasible:
+                return pred
+            return replace(
+                pred,
+                ttft_ms=pred.ttft_ms * ttft_c,
+                itl_ms=pred.itl_ms * itl_c,
+                ttft_mean_ms=pred.ttft_mean_ms * ttft_c,
+                itl_mean_ms=pred.itl_mean_ms * itl_c,
+            )
 
-        # The stabilization window counts from the first decision made on the model
-        # with fresh data: the queue rule and stale holds never justify scale-down.
-        if self._first_decision_time is None:
-            self._first_decision_time = now
+        return feedback, corrected
+
+    def _margin(self, inputs: PlannerInputs) -> float:
+        """The SLO margin, grown by the cost model's error."""
+        policy = self.policy
         mape = inputs.model_mape if inputs.model_mape is not None else 0.0
-        margin = policy.margin + min(
+        return policy.margin + min(
             policy.model_error_weight * max(mape, 0.0), policy.max_model_error_margin
         )
+
+    def _demand(self, inputs: PlannerInputs, now: float) -> Demand:
+        """The served load corrected by the queue's growth, and the load one horizon ahead."""
+        policy = self.policy
+        assert inputs.load is not None
         horizon = inputs.pod_startup_s + policy.lookahead_extra_s
-        measured_raw = inputs.load
-        demand_ratio, backlog_replicas = self._backlog(inputs, record)
-        measured = with_demand(measured_raw, demand_ratio)
-        if demand_ratio < 1.0:
+        backlog = self._backlog(inputs)
+        measured = with_demand(self._with_usual_shape(inputs.load, now), backlog.ratio)
+        if backlog.ratio < 1.0:
             # Draining a backlog: the served rate rises as the queue empties, and
             # that rise is the drain, not arrivals; it must not be extrapolated.
             measured = replace(
@@ -355,122 +498,220 @@ class Planner:
                 prefill_tokens_per_s_trend=min(measured.prefill_tokens_per_s_trend, 0.0),
                 decode_tokens_per_s_trend=min(measured.decode_tokens_per_s_trend, 0.0),
             )
-        planned = self._persistent_forecast(measured, horizon, now, record)
-        record["planned_load"] = planned.to_dict()
-        record["effective_margin"] = margin
-        record["lookahead_s"] = horizon
+        planned, forecast_ratio, long_ratio = self._persistent_forecast(measured, horizon, now)
+        survivors, mix_ratio = self._with_heavier_mix(measured, now)
+        reason = f"the load {horizon:.0f}s ahead"
+        return Demand(
+            measured=measured,
+            planned=planned,
+            survivors=survivors,
+            horizon_s=horizon,
+            demand_ratio=backlog.ratio,
+            backlog_replicas=backlog.extra,
+            queued_prefill_tokens=backlog.queued,
+            queue_growth_tokens_per_s=backlog.growth,
+            forecast_ratio=forecast_ratio,
+            long_trend_ratio=long_ratio,
+            mix_ratio=mix_ratio,
+            reason=reason,
+        )
 
-        predictor = _RememberedPredictions(inputs.predictor)
+    def _capacity_need(
+        self,
+        inputs: PlannerInputs,
+        demand: Demand,
+        fleet: FleetNow,
+        predict: Callable[[int, LoadEstimate], LatencyPrediction],
+    ) -> CapacityNeed:
+        """Smallest counts within the SLO less the margin: for the planned load (scale
+        up), the survivors' load with hysteresis (scale down), and the measured demand
+        with headroom but no trend (what a burst memory keeps)."""
+        policy = self.policy
+        margin = self._margin(inputs)
+        search_high = max(fleet.high, fleet.coming, 1)
+        if demand.idle:
+            return CapacityNeed(0, True, 0, 0, margin, search_high, 0.0, "nothing to serve", "")
+        slo = inputs.slo
 
-        def prediction(n: int, load: LoadEstimate = planned) -> LatencyPrediction:
-            if n <= 0:
-                return no_replicas_prediction()
-            return predict_latency(
-                predictor,
-                PerReplicaLoad.from_estimate(load, n),
-                inputs.engine,
-                policy,
-                n,
+        def smallest(load: LoadEstimate, m: float) -> tuple[int, bool, str]:
+            # Each search judges against what its own load and margin can reach.
+            meets, words = self._reachable_slo(slo, load, m, search_high, predict)
+            n, ok = smallest_replicas_within_slo(
+                lambda k: meets(predict(k, load), m), 1, search_high
             )
+            return n, ok, words
 
-        def reported(
-            basis: str, desired_serving: int
-        ) -> tuple[LatencyPrediction, LatencyPrediction]:
-            # Both predictions of a decision use the same load: the one it was judged on.
-            record["predictions_load"] = basis
-            load = measured if basis == "measured" else planned
-            return prediction(inputs.replicas.ready, load), prediction(desired_serving, load)
-
-        search_high = max(hi, coming, 1)
-        if planned.prefill_tokens_per_s <= 0.0 and planned.decode_tokens_per_s <= 0.0:
-            needed, reachable = 0, True
-            down_ok = measured_need = 0
+        needed, reachable, words = smallest(demand.planned, margin)
+        # Removing capacity is judged on the measured load, not on a forecast:
+        # survivors must carry today's load with the wider margin.
+        down_ok, _, _ = smallest(demand.survivors, margin + policy.hysteresis)
+        # What the measured demand needs, with the look-ahead headroom but no trend:
+        # the need a burst memory keeps.
+        steady = with_demand(demand.measured, max(policy.min_lookahead_ratio, 1.0))
+        measured_need, _, _ = smallest(steady, margin)
+        share = predict(max(needed, 1), demand.planned).unreachable_share
+        caveats = []
+        if share > 0.0:
+            caveats.append(
+                f"{share:.1%} of requests cannot meet the TTFT SLO at any replica count "
+                "(their prefill alone exceeds it), planned for the rest"
+            )
+        if words:
+            caveats.append(words)
+        if not reachable:
+            reason = f"SLO not reachable even at {search_high}"
         else:
-            needed, reachable = smallest_replicas_within_slo(
-                lambda n: prediction(n).within(inputs.slo, margin), 1, search_high
+            reason = f"{needed} needed for {demand.reason} within the SLO less {margin:.0%} margin"
+        return CapacityNeed(
+            needed,
+            reachable,
+            down_ok,
+            measured_need,
+            margin,
+            search_high,
+            share,
+            reason,
+            "; ".join(caveats),
+        )
+
+    def _reachable_slo(
+        self,
+        slo: SloTargets,
+        load: LoadEstimate,
+        margin: float,
+        search_high: int,
+        predict: Callable[[int, LoadEstimate], LatencyPrediction],
+    ) -> tuple[Callable[[LatencyPrediction, float], bool], str]:
+        """What "within the SLO" means for this load: ``slo`` itself, or, where no
+        replica count meets it, what the most replicas achieve (and why, in words).
+
+        A target no count reaches would pin the fleet at maxReplicas for nothing: a
+        latency floor (the decode step alone, prompts whose prefill nearly fills the
+        TTFT budget) does not move with the count. Then TTFT is judged by the share
+        of requests predicted to miss it, which may exceed the most replicas' share
+        by ``out_of_reach_miss_share``, and ITL may exceed the most replicas' by
+        ``out_of_reach_slack``: the replicas that still help, and no more.
+        """
+        best = predict(search_high, load)
+        if not best.feasible or best.within(slo, margin):
+            return (lambda pred, m: pred.within(slo, m)), ""
+        policy = self.policy
+        itl_limit = max(
+            slo.itl_ms, best.itl_ms * (1.0 + policy.out_of_reach_slack) / (1.0 - margin)
+        )
+        ttft_reached = best.ttft_ms <= slo.ttft_ms * (1.0 - margin)
+        miss_limit = best.ttft_miss_share + policy.out_of_reach_miss_share
+
+        def meets(pred: LatencyPrediction, m: float) -> bool:
+            if not pred.feasible or pred.itl_ms > itl_limit * (1.0 - m):
+                return False
+            if ttft_reached:
+                return pred.ttft_ms <= slo.ttft_ms * (1.0 - m)
+            return pred.ttft_miss_share <= miss_limit
+
+        parts = []
+        if not ttft_reached:
+            parts.append(
+                f"TTFT: {best.ttft_miss_share:.1%} of the servable requests miss it even at "
+                f"{search_high} replicas, planned for at most {miss_limit:.1%}"
             )
-            # Removing capacity is judged on the measured load, not on a forecast:
-            # survivors must carry today's load with the wider margin.
-            survivors_load = self._with_heavier_mix(measured, now, record)
-            down_ok, _ = smallest_replicas_within_slo(
-                lambda n: prediction(n, survivors_load).within(
-                    inputs.slo, margin + policy.hysteresis
-                ),
-                1,
-                search_high,
+        if itl_limit > slo.itl_ms:
+            parts.append(
+                f"ITL: {best.itl_ms:.1f}ms at best, planned for within "
+                f"{policy.out_of_reach_slack:.0%} of that"
             )
-            # What the measured demand needs, with the look-ahead headroom but no
-            # trend: the need a burst memory keeps.
-            steady = with_demand(measured, max(policy.min_lookahead_ratio, 1.0))
-            measured_need, _ = smallest_replicas_within_slo(
-                lambda n: prediction(n, steady).within(inputs.slo, margin), 1, search_high
-            )
-        # Bursts are judged, and remembered, on the measured load's need: not on a
-        # forecast or a backlog allowance, which would keep an overshoot.
-        burst_floor, prepared = self._burst_floor(now, measured_need, horizon, record)
+        return meets, "SLO out of reach at any count (" + "; ".join(parts) + ")"
+
+    def _floors(
+        self,
+        need: CapacityNeed,
+        demand: Demand,
+        bursts: BurstFloor,
+        feedback: Feedback,
+        fleet: FleetNow,
+    ) -> Floors:
+        """The need with the backlog allowance, the burst floor and a sustained measured
+        miss; the scale-down floor."""
         # What the stabilization window remembers: the measured load's floor (and a
         # burst's peak). The forecast's need counts for the decision at hand only:
         # remembered, the window's maximum of a noisy look-ahead would add its
         # headroom on top of the look-ahead's own (on the Azure trace the held count
         # sat 1-2 replicas above what any measured window needed).
-        measured_floor = max(down_ok, burst_floor)
-        down_ok = max(down_ok, needed)
-        load_floor = max(down_ok + timed_out, lo)
-        down_ok = max(down_ok, burst_floor)
-        needed = min(needed + backlog_replicas, search_high)
+        measured_floor = max(need.down_ok, bursts.floor)
+        down_ok = max(need.down_ok, need.needed)
+        load_floor = max(down_ok + fleet.timed_out, fleet.low)
+        down_ok = max(down_ok, bursts.floor)
+        needed = min(need.needed + demand.backlog_replicas, need.search_high)
         # A recurring burst due within a start-up: its peak is needed now.
-        for_burst = prepared is not None and burst_floor > needed
+        for_burst = bursts.prepared is not None and bursts.floor > needed
         if for_burst:
-            needed = min(burst_floor, search_high)
-        record["needed_replicas"] = needed
-        record["scale_down_floor"] = down_ok
-        record["measured_floor"] = measured_floor
-        confidence = max(0.0, 1.0 - 2.0 * mape) * (1.0 if reachable else 0.5)
+            needed = min(bursts.floor, need.search_high)
+        # The realized latency missed the SLO for a while: more, whatever the model says.
+        for_miss = feedback.floor > needed
+        if for_miss:
+            needed = min(feedback.floor, need.search_high)
+        return Floors(needed, for_burst, for_miss, down_ok, measured_floor, load_floor)
 
-        if needed + timed_out > total or total < lo:
-            target = max(needed + timed_out, lo)
-            # The surge limits growth; the spec's bounds always apply.
-            desired = max(min(target, total + policy.max_surge, hi), lo)
-            self._remember(now, desired)
-            if needed + timed_out > total:
-                head = "scale up" if desired > total else f"hold at maxReplicas {hi}"
-                if for_burst:
-                    assert prepared is not None
-                    why = f"{head}: {_recurring_words(prepared, now)}; pods take " + (
-                        f"{inputs.pod_startup_s:.0f}s to start"
-                    )
-                else:
-                    why = (
-                        f"{head}: predicted latency at {coming} replicas exceeds the SLO "
-                        f"less {margin:.0%} margin for the load {horizon:.0f}s ahead; "
-                        f"{needed} needed"
-                    )
+    def _scale_up(
+        self,
+        inputs: PlannerInputs,
+        now: float,
+        fleet: FleetNow,
+        demand: Demand,
+        need: CapacityNeed,
+        bursts: BurstFloor,
+        feedback: Feedback,
+        floors: Floors,
+    ) -> Verdict:
+        """More is needed (or the count is below minReplicas): how many, and why."""
+        policy = self.policy
+        total, lo, hi = fleet.total, fleet.low, fleet.high
+        target = max(floors.needed + fleet.timed_out, lo)
+        # The surge limits growth; the spec's bounds always apply.
+        desired = max(min(target, total + policy.max_surge, hi), lo)
+        self._remember(now, desired)
+        if floors.needed + fleet.timed_out > total:
+            head = "scale up" if desired > total else f"hold at maxReplicas {hi}"
+            if floors.for_measured_miss:
+                why = f"{head}: {feedback.reason}"
+            elif floors.for_burst:
+                assert bursts.prepared is not None
+                why = f"{head}: {bursts.reason}; pods take {inputs.pod_startup_s:.0f}s to start"
             else:
                 why = (
-                    f"scale up to minReplicas {lo} (spec bound); {needed} needed for the "
-                    f"load {horizon:.0f}s ahead"
+                    f"{head}: predicted latency at {fleet.coming} replicas exceeds the SLO "
+                    f"less {need.margin:.0%} margin for {demand.reason}; "
+                    f"{floors.needed} needed"
                 )
-            if backlog_replicas:
-                why += f" (incl. {backlog_replicas} to drain the queued prefill backlog)"
-            if timed_out:
-                why += f", plus {timed_out} replacing pods stuck starting"
-            if not reachable:
-                why += f" (SLO not reachable even at {search_high})"
-            if total < desired < target:
-                why += f"; limited to {desired} by max surge/max replicas"
-            return self._finish(
-                inputs,
-                now,
-                total,
-                desired,
-                why,
-                confidence,
-                record,
-                *reported("planned", desired - timed_out),
+        else:
+            why = f"scale up to minReplicas {lo} (spec bound); {floors.needed} needed for " + (
+                demand.reason
             )
+        if demand.backlog_replicas:
+            why += f" (incl. {demand.backlog_replicas} to drain the queued prefill backlog)"
+        if fleet.timed_out:
+            why += f", plus {fleet.timed_out} replacing pods stuck starting"
+        if not need.reachable:
+            why += f" ({need.reason})"
+        if total < desired < target:
+            why += f"; limited to {desired} by max surge/max replicas"
+        return Verdict(desired, why, "planned", desired - fleet.timed_out)
 
-        candidate = max(down_ok + timed_out, lo)
-        self._remember(now, max(measured_floor + timed_out, lo))
+    def _scale_down_or_hold(
+        self,
+        now: float,
+        fleet: FleetNow,
+        need: CapacityNeed,
+        bursts: BurstFloor,
+        floors: Floors,
+        record: dict[str, object],
+    ) -> Verdict:
+        """Fewer may do: scale down once the whole stabilization window agrees, else hold."""
+        policy = self.policy
+        total, lo = fleet.total, fleet.low
+        assert self._first_decision_time is not None
+        candidate = max(floors.scale_down_floor + fleet.timed_out, lo)
+        self._remember(now, max(floors.measured_floor + fleet.timed_out, lo))
         stabilised = max(r.replicas for r in self._history)
         window_covered = now - self._first_decision_time >= max(
             policy.scale_down_stabilization_s, policy.initial_hold_s
@@ -478,62 +719,40 @@ class Planner:
         record["stabilised_recommendation"] = stabilised
         if candidate < total and window_covered and stabilised < total:
             desired = max(stabilised, candidate, total - policy.scale_down_step, lo)
-            n_after = desired - timed_out
+            n_after = desired - fleet.timed_out
             why = (
                 f"scale down {total} -> {desired}: the measured load split over {n_after} "
-                f"replicas (now {inputs.replicas.ready} serving) is predicted within the SLO "
-                f"less {margin + policy.hysteresis:.0%}, for the whole "
+                f"replicas (now {fleet.ready} serving) is predicted within the SLO "
+                f"less {need.margin + policy.hysteresis:.0%}, for the whole "
                 f"{policy.scale_down_stabilization_s:.0f}s stabilization window"
             )
-            return self._finish(
-                inputs,
-                now,
-                total,
-                desired,
-                why,
-                confidence,
-                record,
-                *reported("measured", n_after),
-            )
-        if load_floor < total <= burst_floor + timed_out and prepared is not None:
-            why = f"hold: {_recurring_words(prepared, now)}"
-        elif load_floor < total <= burst_floor + timed_out:
-            ago = now - (self._last_burst if self._last_burst is not None else now)
-            why = (
-                f"hold: a burst faster than pod start-up was seen {ago:.0f}s ago; "
-                f"its peak need ({burst_floor}) is kept for {policy.burst_memory_s:.0f}s"
-            )
+            return Verdict(desired, why, "measured", n_after)
+        held_by_burst = floors.load_floor < total <= bursts.floor + fleet.timed_out
+        if held_by_burst:
+            why = f"hold: {bursts.reason}"
         elif candidate < total:
             why = (
                 f"hold: {candidate} would do, but scale-down waits for the "
                 f"{policy.scale_down_stabilization_s:.0f}s stabilization window "
                 f"(highest recent recommendation {stabilised})"
             )
-        elif not reachable:
+        elif not need.reachable:
             why = (
-                f"hold at maxReplicas {hi}: predicted latency exceeds the SLO less "
-                f"{margin:.0%} margin even at {search_high} (SLO not reachable)"
+                f"hold at maxReplicas {fleet.high}: predicted latency exceeds the SLO less "
+                f"{need.margin:.0%} margin even at {need.search_high} (SLO not reachable)"
             )
         else:
             why = f"hold: {total} replicas meet the SLO with margin; fewer would not"
         # lo <= total <= hi here: a hold never changes the count.
-        return self._finish(
-            inputs,
-            now,
-            total,
-            total,
-            why,
-            confidence,
-            record,
-            *reported("planned", coming),
-        )
+        return Verdict(total, why, "planned", fleet.coming)
 
     # -- pieces ------------------------------------------------------------------
 
     def _persistent_forecast(
-        self, measured: LoadEstimate, horizon: float, now: float, record: dict[str, object]
-    ) -> LoadEstimate:
-        """The trend forecast, raised only as far as it held over the persistence window.
+        self, measured: LoadEstimate, horizon: float, now: float
+    ) -> tuple[LoadEstimate, float, float | None]:
+        """The trend forecast, raised only as far as it held over the persistence window;
+        with the ratio it raised the load by and the long trend's bound.
 
         A trend fitted on a 30 s window is noisy; one that persists for a few
         decisions is a ramp. Fast up (a persistent rise is followed at once),
@@ -550,18 +769,17 @@ class Planner:
         long_ratio = self._long_trend_ratio(base, horizon, now)
         if long_ratio is not None:
             held = min(held, long_ratio)
-        record["long_trend_ratio"] = long_ratio
         floor = max(policy.min_lookahead_ratio, 1.0)
-        record["forecast_ratio"] = max(held, floor)
+        forecast_ratio = max(held, floor)
         if held >= ratio and ratio >= floor:
-            return ahead
-        return with_demand(measured, max(held, floor))
+            return ahead, forecast_ratio, long_ratio
+        return with_demand(measured, forecast_ratio), forecast_ratio, long_ratio
 
     def _with_heavier_mix(
-        self, load: LoadEstimate, now: float, record: dict[str, object]
-    ) -> LoadEstimate:
+        self, load: LoadEstimate, now: float
+    ) -> tuple[LoadEstimate, float | None]:
         """``load`` at its request rate, with the heavier of its own prompt length and
-        the mean prompt length over ``mix_memory_s``.
+        the mean prompt length over ``mix_memory_s``; and that ratio (None: no memory).
 
         Only scale-down is judged on it: prompts shorter than usual let the fleet
         shrink, and the usual ones coming back at the same request rate is a rise
@@ -572,25 +790,46 @@ class Planner:
         """
         window = self.policy.mix_memory_s
         rate = load.prefill_requests_per_s
-        record["mix_ratio"] = None
         if window <= 0.0 or rate <= 0.0:
-            return load
+            return load, None
         prefill_each = load.prefill_tokens_per_s / rate
         self._mix.append((now, prefill_each))
         self._mix = [m for m in self._mix if m[0] >= now - window]
         usual_prefill = sum(m[1] for m in self._mix) / len(self._mix)
         ratio = max(usual_prefill / prefill_each, 1.0) if prefill_each > 0.0 else 1.0
-        record["mix_ratio"] = ratio
         if ratio == 1.0:
-            return load
-        return replace(
-            load,
-            prefill_tokens_per_s=load.prefill_tokens_per_s * ratio,
-            prefill_cached_tokens_per_s=load.prefill_cached_tokens_per_s * ratio,
-            mean_prompt_tokens=load.mean_prompt_tokens * ratio,
-            # The decode context is mostly the prompt: it scales with it.
-            mean_decode_context_tokens=load.mean_decode_context_tokens * ratio,
+            return load, ratio
+        return (
+            replace(
+                load,
+                prefill_tokens_per_s=load.prefill_tokens_per_s * ratio,
+                prefill_cached_tokens_per_s=load.prefill_cached_tokens_per_s * ratio,
+                mean_prompt_tokens=load.mean_prompt_tokens * ratio,
+                # The decode context is mostly the prompt: it scales with it.
+                mean_decode_context_tokens=load.mean_decode_context_tokens * ratio,
+            ),
+            ratio,
         )
+
+    def _with_usual_shape(self, load: LoadEstimate, now: float) -> LoadEstimate:
+        """``load`` with its prompt-length histogram pooled over ``mix_memory_s``.
+
+        Rates change within seconds, the shape of the prompt lengths slowly; one
+        window holds few prompts of the tail (at one long prompt a second, a 30 s
+        window has 30), so its tail share swings with every long prompt and the
+        need with it. Pooled over the mix memory, the tail is the traffic's.
+        """
+        window = self.policy.mix_memory_s
+        if window <= 0.0 or not load.prompt_histogram or load.mean_prompt_tokens <= 0.0:
+            return load
+        self._shapes.append((now, load.prompt_histogram, load.mean_prompt_tokens))
+        self._shapes = [h for h in self._shapes if h[0] >= now - window]
+        pooled = tuple(sum(column) for column in zip(*(h for _, h, _ in self._shapes), strict=True))
+        # Only the shape: the window's mean prompt and request rate stay the load's
+        # (pooling them too cost the shared trace 1.5 points of attainment: the
+        # usual mean lags the window's mix, and the request rate derived from it
+        # under-states the short-request load).
+        return replace(load, prompt_histogram=pooled)
 
     def _long_trend_ratio(self, rate: float, horizon: float, now: float) -> float | None:
         """How far the measured demand's slope over ``trend_history_s`` raises it by
@@ -614,7 +853,7 @@ class Planner:
         slope = sum((t - mean_t) * (r - mean_r) for t, r in zip(times, rates, strict=True)) / spread
         return 1.0 + max(slope, 0.0) * horizon / rate
 
-    def _backlog(self, inputs: PlannerInputs, record: dict[str, object]) -> tuple[float, int]:
+    def _backlog(self, inputs: PlannerInputs) -> _Backlog:
         """Demand ratio (arrivals over served) and replicas to drain the queue.
 
         Mass balance over the load estimate's window: arrivals = served + the
@@ -634,6 +873,11 @@ class Planner:
         trigger = policy.backlog_trigger * inputs.slo.ttft_ms / 1e3 * per_replica * ready
         ratio = 1.0
         extra = 0
+        # One long prompt waiting is not a backlog of arrivals: the fleet is behind
+        # only when more prompts wait than replicas serve (each takes one at a time).
+        waiting = max(load.queued_prefill_requests, load.queued_prefill_requests_mean)
+        if waiting <= ready:
+            trigger = math.inf
         # Only a queue past the trigger means the fleet is or was behind; below it,
         # queue changes are the noise of normal batching.
         if recent > trigger and served > 0.0:
@@ -645,76 +889,7 @@ class Planner:
         if queued > trigger:
             drain = policy.backlog_drain_s or max(inputs.pod_startup_s, 1.0)
             extra = min(math.ceil(queued / (per_replica * drain)), policy.max_surge)
-        record["queued_prefill_tokens"] = queued
-        record["queue_growth_tokens_per_s"] = growth
-        record["demand_ratio"] = ratio
-        record["backlog_replicas"] = extra
-        return ratio, extra
-
-    def _burst_floor(
-        self, now: float, needed: int, horizon: float, record: dict[str, object]
-    ) -> tuple[int, RecurringBurst | None]:
-        """The floor bursts ask for, and the recurring burst it prepares for (if so).
-
-        Bursts at a period (see :mod:`~stepscale_operator.burst_recurrence`): from
-        one look-ahead horizon (plus the period's jitter) before the next is due
-        until it comes, the floor is the recent bursts' peak need; between bursts
-        of a confirmed period there is none. Otherwise the floor is the last
-        burst's peak need, kept for ``burst_memory_s`` after it (0 when none).
-
-        The peak counts from the low point the burst rose from: a higher need met
-        before the burst (an earlier daily peak) is not what a recurring burst
-        needs, and keeping it would hold capacity no burst asked for.
-        ``needed`` is sized on the demand (served load corrected by the queue's
-        growth or drain), so a backlog draining after the burst does not inflate it.
-        """
-        policy = self.policy
-        self._needs.append(_Recommendation(now, needed))
-        keep = max(policy.burst_memory_s, horizon)
-        self._needs = [r for r in self._needs if r.time >= now - keep]
-        # The low point must be a need judged after one horizon on the model: over
-        # the planner's first horizon the load estimate's window and the fleet's
-        # batches are still filling, and the need rising with them is its own
-        # warm-up, not a burst (on the Azure trace it held the start-up's need
-        # for 15 minutes).
-        first = self._first_decision_time if self._first_decision_time is not None else now
-        warmed = first + horizon
-        before = [r for r in self._needs if r.time >= max(now - horizon, warmed)]
-        low = min(r.replicas for r in before) if before else needed
-        if needed - low >= policy.burst_min_step and needed >= policy.burst_ratio * max(low, 1):
-            new_burst = self._last_burst is None or now - self._last_burst > horizon
-            self._last_burst = now
-            # The rise began after the last time the need was at its low.
-            self._burst_began = max(r.time for r in before if r.replicas == low)
-            if new_burst:
-                # Its beat: when the need crossed halfway up. The low point's time
-                # wanders with the noise of the need before the burst (3, 4, 3...),
-                # by up to a horizon; the halfway crossing is where the rise is steep.
-                halfway = min(r.time for r in before if 2 * r.replicas >= low + needed)
-                self._recurrence.burst_began(halfway, needed)
-        record["burst_seen_s_ago"] = None if self._last_burst is None else now - self._last_burst
-        memory = 0
-        if self._last_burst is not None and now - self._last_burst <= keep:
-            peak = max(r.replicas for r in self._needs if r.time >= self._burst_began)
-            # The burst's peak, for the next one of a period (even without a memory).
-            self._recurrence.burst_need(peak)
-            if now - self._last_burst <= policy.burst_memory_s:
-                memory = peak
-        recurring = self._recurrence.expected(now)
-        record["recurring_burst"] = asdict(recurring) if recurring is not None else None
-        record["burst_onsets"] = [[onset, peak] for onset, peak in self._recurrence.onsets()]
-        if recurring is None:
-            return memory, None
-        lead = horizon + max(recurring.jitter_s, policy.lookahead_extra_s)
-        due_soon = now >= recurring.next_onset - lead
-        if recurring.confirmed:
-            return (recurring.peak_need, recurring) if due_soon else (0, None)
-        # A tentative period (one gap): prepare for the next burst, which costs a
-        # start-up's worth of capacity if it does not come, but keep the memory:
-        # one gap says nothing of what comes in between.
-        if due_soon and recurring.peak_need > memory:
-            return recurring.peak_need, recurring
-        return memory, None
+        return _Backlog(ratio, extra, queued, growth)
 
     def _stale_reason(self, inputs: PlannerInputs, now: float) -> str:
         load = inputs.load
@@ -727,16 +902,11 @@ class Planner:
         return ""
 
     def _queue_rule(
-        self,
-        inputs: PlannerInputs,
-        now: float,
-        total: int,
-        lo: int,
-        hi: int,
-        record: dict[str, object],
+        self, inputs: PlannerInputs, now: float, fleet: FleetNow, record: dict[str, object]
     ) -> Decision:
         """Before the model is ready: scale up on queued requests, never down."""
         assert inputs.load is not None
+        total, lo, hi = fleet.total, fleet.low, fleet.high
         queued = inputs.load.queued_prefill_requests + inputs.load.queued_decode_requests
         serving = max(inputs.replicas.ready, 1)
         per_replica = queued / serving
@@ -748,8 +918,7 @@ class Planner:
             return self._hold_or_raise_to_min(
                 inputs,
                 now,
-                total,
-                lo,
+                fleet,
                 record,
                 f"cost model not ready, {per_replica:.1f} queued requests per replica{capped}; "
                 "the queue rule never scales down",
@@ -764,26 +933,26 @@ class Planner:
         return self._finish(inputs, now, total, desired, why, 0.3, record, None, None)
 
     def _clamp_to_max(
-        self, inputs: PlannerInputs, now: float, total: int, hi: int, record: dict[str, object]
+        self, inputs: PlannerInputs, now: float, fleet: FleetNow, record: dict[str, object]
     ) -> Decision:
         """More replicas than ``max_replicas``: the user lowered the bound, so it applies now.
 
         A spec change, not a load decision: it is taken whatever the data (even
         stale), and reported as such, never as a hold.
         """
+        hi = fleet.high
         self._remember(now, hi)
         why = (
-            f"scale down to maxReplicas {hi}: clamped to maxReplicas, {total} replicas "
+            f"scale down to maxReplicas {hi}: clamped to maxReplicas, {fleet.total} replicas "
             "exceed the spec's bound"
         )
-        return self._finish(inputs, now, total, hi, why, 1.0, record, None, None)
+        return self._finish(inputs, now, fleet.total, hi, why, 1.0, record, None, None)
 
     def _hold_or_raise_to_min(
         self,
         inputs: PlannerInputs,
         now: float,
-        total: int,
-        lo: int,
+        fleet: FleetNow,
         record: dict[str, object],
         why: str,
         confidence: float = 0.0,
@@ -793,6 +962,7 @@ class Planner:
         Used where the planner may not judge the load (missing or stale data, no
         cost model): it never goes below the current count.
         """
+        total, lo = fleet.total, fleet.low
         desired = max(total, lo)
         reason = (
             f"scale up to minReplicas {lo} (spec bound); {why}"

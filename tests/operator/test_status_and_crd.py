@@ -504,3 +504,46 @@ def test_the_scale_down_window_outlasts_a_silent_streams_way_to_stale() -> None:
     assert planner_policy(short).scale_down_stabilization_s == 4.0
     default = parse_spec({"model": "m", "image": "i"})
     assert planner_policy(default).scale_down_stabilization_s == 120.0
+
+
+def test_status_shows_measured_latency_and_the_unreachable_share() -> None:
+    status = fitted_status()
+    stored = drop_nulls(status)
+    status_schema = schema()["properties"]["status"]
+    assert pruned(stored, status_schema) == stored
+    measured = stored["predictions"]["measured"]
+    assert measured["itlCorrection"] >= 1.0 and measured["ttftCorrection"] >= 1.0
+    assert "unreachableShare" in stored["predictions"]
+
+
+def test_slo_reachable_condition_carries_the_unreachable_share() -> None:
+    from stepscale_operator.controller.status import build_conditions
+    from stepscale_operator.planner import Decision
+
+    def decision(share: float, reason: str = "hold") -> Decision:
+        return Decision(
+            0.0, 3, 3, "hold", False, reason, 1.0, None, None, {"unreachable_share": share}
+        )
+
+    def conditions(d: Decision) -> dict[str, dict[str, object]]:
+        conds = build_conditions(
+            now_wall=1.7e9,
+            generation=1,
+            previous=[],
+            problems=(),
+            mode="auto",
+            load=None,
+            model_ready=True,
+            samples=100,
+            min_samples=50,
+            mape=0.02,
+            decision=d,
+        )
+        return {str(c["type"]): c for c in conds}
+
+    partly = conditions(decision(0.143))["SloReachable"]
+    assert partly["status"] == "False" and partly["reason"] == "PartlyOutOfReach"
+    assert "14.3%" in str(partly["message"])
+    assert conditions(decision(0.0))["SloReachable"]["status"] == "True"
+    floor = conditions(decision(0.0, "hold; SLO out of reach at any count (...)"))
+    assert floor["SloReachable"]["reason"] == "OutOfReachAtAnyCount"

@@ -352,3 +352,118 @@ def test_to_dict_is_json_with_nulls_for_what_is_unknown() -> None:
     assert d["missing_streams"] == ["gone/0"] and d["complete"] is False
     assert "mean_prompt_tokens" in load.unavailable and d["mean_prompt_tokens"] is None
     assert d["decode_tokens_per_s"] == pytest.approx(load.decode_tokens_per_s)
+
+
+# -- measured shapes and realized latency -------------------------------------------
+
+
+def _with_budget(est: LoadEstimator, tokens: int = 131_072) -> LoadEstimator:
+    """``est`` after one pass of ``tokens`` long before the window: the stream's token
+    budget, so the prompt passes that follow are not taken for chunks of longer ones."""
+    est.observe(
+        _msg(10**6, ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=tokens)),
+        -100.0,
+    )
+    return est
+
+
+def _one_prompt_pass(counter: int, prompt: int, decodes: int = 4) -> ForwardPassMetrics:
+    """A pass that finishes one whole prompt of ``prompt`` tokens beside ``decodes``."""
+    sched = ScheduledRequestMetrics(
+        num_prefill_requests=1,
+        sum_prefill_tokens=prompt,
+        num_decode_requests=decodes,
+        sum_decode_kv_tokens=decodes * 500,
+    )
+    return _msg(counter, sched, wall=0.05)
+
+
+def test_prompt_histogram_keeps_the_tail_of_the_lengths() -> None:
+    from stepscale_operator.load_types import PROMPT_BIN_EDGES
+
+    est = _with_budget(LoadEstimator(window_s=30.0))
+    counter = 0
+    # 90 short prompts and 10 of 100k tokens (a long-context tail) over 20 s.
+    for s in range(20):
+        for i in range(5):
+            counter += 1
+            prompt = 100_000 if (s * 5 + i) % 10 == 0 else 500
+            est.observe(_one_prompt_pass(counter, prompt), s + i / 5.0)
+    load = est.estimate(20.0)
+    hist = load.prompt_histogram
+    assert sum(hist) == pytest.approx(100.0)
+    long_bin = max(i for i, edge in enumerate(PROMPT_BIN_EDGES) if edge <= 100_000)
+    short_bin = max(i for i, edge in enumerate(PROMPT_BIN_EDGES) if edge <= 500)
+    assert hist[long_bin] == pytest.approx(10.0) and hist[short_bin] == pytest.approx(90.0)
+
+
+def test_two_prompts_in_one_pass_spread_by_their_variance() -> None:
+    est = _with_budget(LoadEstimator(window_s=30.0))
+    sched = ScheduledRequestMetrics(
+        num_prefill_requests=2, sum_prefill_tokens=2000, var_prefill_length=900.0**2
+    )
+    for k in range(10):
+        est.observe(_msg(k, sched, wall=0.05), k * 0.5)
+    hist = est.estimate(5.0).prompt_histogram
+    # 100 and 1900 tokens: two bins, not one at the mean of 1000.
+    assert len([h for h in hist if h > 0]) == 2 and sum(hist) == pytest.approx(20.0)
+
+
+def _arrivals_with(per_second: list[int]) -> float:
+    """Arrival dispersion measured when ``per_second[s]`` prompts finish in second s."""
+    est = _with_budget(LoadEstimator(window_s=30.0))
+    counter = 0
+    for s, count in enumerate(per_second):
+        for i in range(count):
+            counter += 1
+            est.observe(_one_prompt_pass(counter, 800), s + (i + 0.5) / (count + 1))
+        counter += 1
+        est.observe(_msg(counter, DECODE), s + 0.999)
+    return est.estimate(float(len(per_second))).arrival_dispersion
+
+
+def test_arrival_dispersion_tells_bursts_from_steady_arrivals() -> None:
+    steady = _arrivals_with([4] * 30)
+    bursty = _arrivals_with([0, 0, 0, 0, 0, 20] * 5)
+    assert steady == pytest.approx(0.0, abs=0.05)  # perfectly regular: no variance
+    # Poisson arrivals give 1; these come in bursts of 20 every 6 s.
+    assert bursty > 5.0
+
+
+def test_queue_growth_counts_as_arrivals() -> None:
+    # Nothing finishes prefill, but the prefill queue grows by 3 every second
+    # in bursts of 9 every third second: those are arrivals.
+    est = LoadEstimator(window_s=30.0)
+    queued = 0
+    for s in range(30):
+        if s % 3 == 0:
+            queued += 9
+        q = QueuedRequestMetrics(num_prefill_requests=queued, sum_prefill_tokens=queued * 100)
+        est.observe(_msg(s, DECODE, queued=q), s + 0.5)
+    load = est.estimate(30.0)
+    assert load.arrival_dispersion > 2.0
+
+
+def test_realized_itl_is_pass_time_weighted_by_decode_requests() -> None:
+    est = _with_budget(LoadEstimator(window_s=30.0))
+    counter = 0
+    for s in range(20):
+        for i in range(10):
+            counter += 1
+            # 9 decode passes of 10 ms with 10 decodes, one slow prefill pass of 100 ms
+            # with 2 decodes: per token (90*10 + 2*100) / 92 ms.
+            if i == 9:
+                sched = ScheduledRequestMetrics(
+                    num_prefill_requests=1,
+                    sum_prefill_tokens=2000,
+                    num_decode_requests=2,
+                    sum_decode_kv_tokens=1000,
+                )
+                est.observe(_msg(counter, sched, wall=0.1), s + i / 10.0)
+            else:
+                est.observe(_msg(counter, DECODE, wall=0.01), s + i / 10.0)
+    load = est.estimate(20.0)
+    assert load.realized_itl_mean_ms == pytest.approx((90 * 10 + 2 * 100) / 92, rel=1e-6)
+    assert load.realized_itl_tail_ms >= load.realized_itl_mean_ms - 1e-9
+    # One prompt per second, each in prefill for one 100 ms pass, nobody queued.
+    assert load.realized_ttft_mean_ms == pytest.approx(100.0, rel=1e-6)

@@ -864,3 +864,123 @@ def test_a_new_planner_restored_from_burst_onsets_prepares_for_the_next_burst() 
         total_fresh, total_restored = d_fresh.desired_replicas, d_restored.desired_replicas
     assert total_fresh == base
     assert total_restored >= peak and "bursts recur every 1200s (last 3)" in d_restored.reason
+
+
+# -- out of reach -------------------------------------------------------------------
+
+
+def _with_prompts(load: LoadEstimate, lengths: list[float]) -> LoadEstimate:
+    """``load`` with its measured prompt-length distribution (and matching mean)."""
+    import numpy as np
+
+    from stepscale_operator.load_types import prompt_histogram_of
+
+    mean = sum(lengths) / len(lengths)
+    rate = load.prefill_requests_per_s
+    return replace(
+        load,
+        prompt_histogram=prompt_histogram_of(np.asarray(lengths, dtype=np.float64)),
+        mean_prompt_tokens=mean,
+        prefill_tokens_per_s=rate * mean,
+    )
+
+
+def test_prompts_no_count_serves_in_time_are_reported_not_chased_to_max_replicas() -> None:
+    # A fifth of the prompts take 200k tokens: 6 s of prefill alone on an idle
+    # replica, far beyond the 1 s TTFT SLO at any count.
+    lengths = [1000.0] * 80 + [200_000.0] * 20
+    load = _with_prompts(load_of(1.0), lengths)
+    d = Planner().decide(inputs_for(load, 4, max_replicas=64), now=0.0)
+    share = d.inputs["unreachable_share"]
+    assert isinstance(share, float) and share == pytest.approx(0.2)
+    assert d.desired_replicas < 64 and "cannot meet the TTFT SLO at any replica count" in d.reason
+    # They still load the fleet: it plans at least what the servable part alone needs.
+    servable = _with_prompts(load_of(0.8), [1000.0] * 80)
+    assert d.desired_replicas >= needed_for(servable)
+    # The old assumption (every request servable) chased the SLO to maxReplicas.
+    assert "SLO not reachable" not in d.reason
+
+
+def test_a_latency_floor_above_the_slo_plans_for_the_best_any_count_gets() -> None:
+    # The decode step alone takes 6 ms: an ITL SLO of 5 ms is out of reach at any count.
+    tight = SloTargets(ttft_ms=1000.0, itl_ms=5.0)
+    load = load_of(20.0)
+    d = Planner().decide(replace(inputs_for(load, 4, max_replicas=64), slo=tight), now=0.0)
+    assert d.desired_replicas < 64 and "out of reach at any count" in d.reason
+    need = d.inputs["needed_replicas"]
+    assert isinstance(need, int) and need < 32  # within 10% of the best ITL, not all 64
+
+
+# -- closed loop --------------------------------------------------------------------
+
+
+def _decisions_with_realized(
+    planner: Planner, realized_itl_ms: float, until: float, ready: int = 6
+) -> list:
+    load = replace(load_of(20.0), realized_itl_mean_ms=10.0, realized_itl_tail_ms=realized_itl_ms)
+    out = []
+    t = 0.0
+    while t <= until:
+        out.append(planner.decide(inputs_for(load, ready, now=t), now=t))
+        t += 5.0
+    return out
+
+
+def test_a_sustained_measured_itl_miss_adds_capacity_the_model_does_not_see() -> None:
+    ready = 6
+    # The model says 6 replicas carry this load well within the SLO ...
+    calm = _decisions_with_realized(Planner(), 12.0, 120.0, ready)
+    assert all(d.desired_replicas <= ready for d in calm)
+    # ... but the fleet realizes a p99 ITL of 60 ms for a minute: one more replica,
+    # and the model learns a correction.
+    missed = _decisions_with_realized(Planner(), 60.0, 120.0, ready)
+    ups = [d for d in missed if d.desired_replicas > ready]
+    assert ups and "measured ITL" in ups[0].reason
+    first = missed.index(ups[0])
+    assert missed[first].time >= 30.0  # never on one window's measurement
+    assert all(d.desired_replicas <= ready for d in missed[:first])
+    correction = ups[0].inputs["itl_correction"]
+    assert isinstance(correction, float) and correction > 1.5
+    assert ups[0].inputs["measured_itl_ms"] == 60.0
+
+
+def test_no_closed_loop_while_pods_start_or_when_disabled() -> None:
+    load = replace(load_of(20.0), realized_itl_mean_ms=10.0, realized_itl_tail_ms=60.0)
+    planner = Planner()
+    for t in range(0, 125, 5):
+        d = planner.decide(inputs_for(load, 6, now=t, starting=(float(t),)), now=float(t))
+        assert "measured" not in d.reason
+    off = _decisions_with_realized(Planner(PlannerPolicy(closed_loop=False)), 60.0, 120.0)
+    assert all(d.desired_replicas <= 6 for d in off)
+
+
+def test_the_learned_correction_follows_the_realized_mean() -> None:
+    # The fleet realizes twice the predicted mean ITL: the correction moves towards 2.
+    planner = Planner()
+    probe = planner.decide(inputs_for(load_of(20.0), 6, now=0.0), now=0.0)
+    assert probe.predicted_current is not None
+    predicted_mean = probe.predicted_current.itl_mean_ms
+    load = replace(
+        load_of(20.0), realized_itl_mean_ms=2.0 * predicted_mean, realized_itl_tail_ms=1.0
+    )
+    corrections = [
+        planner.decide(inputs_for(load, 6, now=t), now=t).inputs["itl_correction"]
+        for t in range(5, 300, 5)
+    ]
+    assert corrections[-1] == pytest.approx(2.0, rel=0.05)
+    assert all(isinstance(c, float) and c >= 1.0 for c in corrections)
+
+
+def test_the_closed_loop_stops_adding_when_more_replicas_do_not_help() -> None:
+    planner = Planner()
+    load = replace(load_of(20.0), realized_itl_mean_ms=10.0, realized_itl_tail_ms=60.0)
+    t, ready = 0.0, 6
+    added = []
+    while t <= 400.0:
+        d = planner.decide(inputs_for(load, ready, now=t), now=t)
+        if d.desired_replicas > ready and "measured" in d.reason:
+            added.append(t)
+            ready = d.desired_replicas  # the new pod is ready at once; the miss stays
+        t += 5.0
+    # One replica for the miss; it did not reduce the realized tail, so no more.
+    assert len(added) == 1

@@ -48,10 +48,12 @@ from stepscale_operator.simulator.report import (
 from stepscale_operator.simulator.scenario import build_policy
 from stepscale_operator.simulator.traffic import (
     Traffic,
+    TrafficShape,
     burst_windows,
     load_azure_csv,
     load_mooncake_jsonl,
     load_trace,
+    shaped_synthetic,
     synthetic,
 )
 from stepscale_operator.subscriber import FpmSubscriber
@@ -561,3 +563,54 @@ def test_dynamo_style_headroom_aims_below_the_slo() -> None:
     assert roomy.desired(view) == n_slo + 1  # with headroom it steps up
     with pytest.raises(ValueError):
         DynamoPolicy(setup, H100_LLAMA_8B, headroom=1.0)
+
+
+def test_shaped_traffic_has_the_shapes_it_is_asked_for() -> None:
+    shape = TrafficShape(
+        cluster_mean=2.0,
+        silent_share=0.5,
+        mean_on_s=60.0,
+        prompt_sigma=1.5,
+        max_prompt=126_000,
+        short_output_share=0.35,
+    )
+    traffic = shaped_synthetic(shape, lambda t: 10.0, 1800.0, seed=2)
+    poisson = synthetic("flat", 1800.0, 10.0, seed=2)
+
+    def dispersion(t: Traffic) -> float:
+        counts = np.bincount(t.arrival_s.astype(np.int64))
+        windows = [counts[i : i + 30] for i in range(0, counts.size - 30, 30)]
+        return float(np.median([w.var(ddof=1) / w.mean() for w in windows if w.mean() > 0]))
+
+    def gap_cv2(t: Traffic) -> float:
+        gaps = np.diff(t.arrival_s)
+        return float(gaps.var() / gaps.mean() ** 2)
+
+    assert dispersion(poisson) < 1.5 < dispersion(traffic)
+    assert gap_cv2(poisson) < 2.0 and gap_cv2(traffic) > 50.0
+    assert 0.3 < float((traffic.output_tokens <= 10).mean()) < 0.4
+    assert (
+        traffic.prompt_tokens.max() <= 126_000
+        and np.percentile(traffic.prompt_tokens, 99.9) > 20_000
+    )
+    assert len(traffic) / 1800.0 == pytest.approx(10.0, rel=0.25)
+
+
+def test_the_oracle_stays_a_bound_when_part_of_the_traffic_is_out_of_reach() -> None:
+    # A tenth of the prompts take 60k tokens: ~2 s of prefill alone, beyond the 1 s
+    # TTFT SLO at any count. The calibration aims at what a nearly idle fleet
+    # attains (less half a point) instead of failing to the bracket's floor.
+    rng = np.random.default_rng(4)
+    n = 1200
+    arrival = np.sort(rng.uniform(0.0, 300.0, n))
+    prompt = np.where(rng.random(n) < 0.1, 60_000, 800).astype(np.int64)
+    traffic = Traffic(arrival, prompt, np.full(n, 100, dtype=np.int64), 300.0, "long")
+    setup = ScalingSetup(SloTargets(1000.0, 40.0), EngineLimits(), startup_s=30.0)
+    mean_prompt = float(prompt.mean())
+    floor = 30_000.0 / mean_prompt / 20.0  # the bracket's low end
+    cap = calibrate_capacity(
+        traffic, setup, H100_LLAMA_8B, replicas=2, duration_s=60.0, warmup_s=10.0, iterations=4
+    )
+    assert cap > 1.5 * floor
+    oracle = OraclePolicy(traffic, setup, cap)
+    assert oracle.needs.max() < setup.max_replicas

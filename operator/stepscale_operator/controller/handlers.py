@@ -579,6 +579,7 @@ def decision_round(
         min_samples=spec.autoscaling.cost_model.min_samples,
         mape=quality.get("mape"),
         api_error=api_error,
+        decision=decision,
     )
     new_status = build_status(
         now_wall=now_wall,

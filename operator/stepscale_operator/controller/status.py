@@ -158,6 +158,7 @@ _LOAD_FIELDS = {
     "prefill_demand_tokens_per_s_recent": "prefillDemandTokensPerSecondRecent",
     "queued_decode_requests_trend": "queuedDecodeRequestsTrend",
     "missing_streams": "missingStreams",
+    "arrival_dispersion": "arrivalDispersion",
 }
 
 
@@ -192,6 +193,55 @@ def prediction_status(pred: LatencyPrediction | None) -> dict[str, Any] | None:
         "prefillUtilisation": finite(pred.prefill_utilisation, 4),
         "bottleneck": pred.bottleneck,
     }
+
+
+def measured_status(decision: Decision | None) -> dict[str, Any] | None:
+    """``status.predictions.measured``: the latency the fleet realized (from FPM), beside
+    the predictions, and the model's learned correction; None before the model judged."""
+    if decision is None or "itl_correction" not in decision.inputs:
+        return None
+    inputs = decision.inputs
+    return {
+        "ttftMs": finite(inputs.get("measured_ttft_ms"), 2),
+        "itlMs": finite(inputs.get("measured_itl_ms"), 3),
+        "ttftMeanMs": finite(inputs.get("measured_ttft_mean_ms"), 2),
+        "itlMeanMs": finite(inputs.get("measured_itl_mean_ms"), 3),
+        "ttftCorrection": finite(inputs.get("ttft_correction"), 4),
+        "itlCorrection": finite(inputs.get("itl_correction"), 4),
+        "missSeconds": finite(inputs.get("measured_miss_s"), 1),
+    }
+
+
+def reachability_condition(
+    decision: Decision,
+    now_wall: float,
+    generation: int | None,
+    previous: Sequence[Mapping[str, Any]],
+) -> dict[str, Any] | None:
+    """``SloReachable``: False, with the share, when part of the traffic cannot meet the
+    SLO at any replica count (the planner plans for the rest); None when the decision
+    did not judge the load on the model."""
+    share = decision.inputs.get("unreachable_share")
+    if not isinstance(share, int | float):
+        return None
+    out_of_reach = "out of reach at any count" in decision.reason
+    if share > 0.0 or out_of_reach:
+        message = (
+            f"{share:.1%} of requests cannot meet the TTFT SLO at any replica count; "
+            if share > 0.0
+            else ""
+        ) + "planned for the part that can"
+        reason = "PartlyOutOfReach" if share > 0.0 else "OutOfReachAtAnyCount"
+        return condition("SloReachable", False, reason, message, now_wall, generation, previous)
+    return condition(
+        "SloReachable",
+        True,
+        "Reachable",
+        "every request can meet the SLO",
+        now_wall,
+        generation,
+        previous,
+    )
 
 
 def decision_status(decision: Decision, wall_s: float, applied: bool) -> dict[str, Any]:
@@ -271,8 +321,10 @@ def build_conditions(
     min_samples: int,
     mape: float | None,
     api_error: str | None = None,
+    decision: Decision | None = None,
 ) -> list[dict[str, Any]]:
-    """The four conditions: MetricsFresh, ModelReady, ScalingActive, Degraded."""
+    """The four conditions: MetricsFresh, ModelReady, ScalingActive, Degraded; and
+    SloReachable when ``decision`` judged the load on the model."""
 
     def cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
         return condition(ctype, ok, reason, message, now_wall, generation, previous)
@@ -319,7 +371,16 @@ def build_conditions(
             degraded = cond("Degraded", True, "KubernetesApiError", api_error)
         else:
             degraded = cond("Degraded", False, "AsExpected", "")
-    return [fresh, model, active, degraded]
+    conditions = [fresh, model, active, degraded]
+    reachable = (
+        reachability_condition(decision, now_wall, generation, previous) if decision else None
+    )
+    if reachable is not None:
+        conditions.append(reachable)
+    else:
+        # Keep the last known reachability while the load cannot be judged.
+        conditions.extend(dict(c) for c in previous if c.get("type") == "SloReachable")
+    return conditions
 
 
 def build_status(
@@ -361,6 +422,10 @@ def build_status(
         "predictions": {
             "current": prediction_status(decision.predicted_current if decision else None),
             "desired": prediction_status(decision.predicted_desired if decision else None),
+            "measured": measured_status(decision),
+            "unreachableShare": (
+                finite(decision.inputs.get("unreachable_share"), 4) if decision else None
+            ),
         },
         "lastDecision": last_decision,
         "lastScaling": dict(last_scaling) if last_scaling else None,

@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from stepscale_engine.wire import ForwardPassMetrics
 from stepscale_operator.latency_model import EngineLimits
-from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.load_types import LoadEstimate, prompt_histogram_of
 from stepscale_operator.simulator.engine import RequestTable, SimEngine
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B, StepTimeProfile
 from stepscale_operator.simulator.traffic import Traffic
@@ -429,4 +429,19 @@ def frontend_estimate(
         queued_prefill_requests=0.0,
         queued_prefill_tokens=0.0,
         queued_decode_requests=0.0,
+        prompt_histogram=prompt_histogram_of(prompt) if n else (),
+        arrival_dispersion=_dispersion_per_second(traffic.arrival_s[lo:hi]),
     )
+
+
+def _dispersion_per_second(arrival_s: npt.NDArray[np.float64]) -> float:
+    """Variance over mean of arrivals per whole second (0: too few to tell)."""
+    if arrival_s.size < 20:
+        return 0.0
+    start = float(arrival_s[0])
+    seconds = int(arrival_s[-1] - start)
+    if seconds < 3:
+        return 0.0
+    counts = np.bincount((arrival_s - start).astype(np.int64), minlength=seconds + 1)[:seconds]
+    mean = float(counts.mean())
+    return float(counts.var(ddof=1) / mean) if mean > 0.0 else 0.0

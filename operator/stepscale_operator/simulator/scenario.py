@@ -122,6 +122,9 @@ def build_policy(
     if name == "static":
         assert sizing is not None
         return StaticPolicy(int(sizing.needs.max()))
+    if name.startswith("static@"):
+        # "static@12": a fixed fleet of 12 (the benchmark sweeps sizes beside the policies).
+        return StaticPolicy(int(name.partition("@")[2]), name=name)
     if name == "hpa":
         return HpaPolicy(setup)
     if name == "dynamo" or name.startswith("dynamo@"):

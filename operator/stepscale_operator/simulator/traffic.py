@@ -32,9 +32,7 @@ BURST_HOLD_S = 150.0
 BURST_LEVEL = 2.5
 
 
-def burst_windows(
-    duration_s: float, period_s: float = BURST_PERIOD_S
-) -> list[tuple[float, float]]:
+def burst_windows(duration_s: float, period_s: float = BURST_PERIOD_S) -> list[tuple[float, float]]:
     """``(start, end)`` of each burst of the "bursts" kind that begins within
     ``duration_s``: from the start of its ramp up to the end of its ramp down."""
     length = 2.0 * BURST_RAMP_S + BURST_HOLD_S
@@ -341,6 +339,85 @@ def _poisson(
         t,
         np.clip(prompt, 16, 16_000).astype(np.int64),
         np.clip(output, 1, 2_000).astype(np.int64),
+        duration_s,
+        name,
+    )
+
+
+@dataclass(frozen=True)
+class TrafficShape:
+    """Shapes real traces show and Poisson traffic with log-normal lengths does not.
+
+    Arrivals come in clusters (a user's or an agent's requests together; mean
+    ``cluster_mean`` requests within ``cluster_spread_s``), so counts per second are
+    over-dispersed (variance/mean about ``2 * cluster_mean - 1``); the source goes
+    silent and comes back (on/off periods with a ``silent_share`` of the time off),
+    which gives inter-arrival CV^2 in the hundreds. Prompts are log-normal with
+    median ``prompt_median`` and shape ``prompt_sigma`` (1.5: a tail to 100k tokens
+    at a median of 1k), cut at ``max_prompt`` (the engine's max_model_len less the
+    output); a ``short_output_share`` of the outputs has 1-10 tokens.
+    """
+
+    cluster_mean: float = 1.0
+    cluster_spread_s: float = 0.5
+    silent_share: float = 0.0
+    mean_on_s: float = 60.0
+    prompt_median: float = 800.0
+    prompt_sigma: float = 1.0
+    max_prompt: int = 16_000
+    output_median: float = 150.0
+    output_sigma: float = 1.0
+    short_output_share: float = 0.0
+
+
+def shaped_synthetic(
+    shape: TrafficShape,
+    rate: Callable[[float], float],
+    duration_s: float,
+    seed: int = 0,
+    name: str = "synthetic-shaped",
+) -> Traffic:
+    """Traffic of ``shape`` whose mean request rate follows ``rate(t)`` (req/s).
+
+    ``rate`` is the mean over on and off periods: while on, clusters arrive at
+    ``rate / (1 - silent_share) / cluster_mean`` per second.
+    """
+    rng = np.random.default_rng(seed)
+    grid = np.linspace(0.0, duration_s, 2001)
+    peak = max(rate(float(t)) for t in grid) * 1.05
+    on_scale = 1.0 / max(1.0 - shape.silent_share, 1e-6)
+    cluster_peak = peak * on_scale / max(shape.cluster_mean, 1.0)
+    n = rng.poisson(cluster_peak * duration_s)
+    starts = np.sort(rng.uniform(0.0, duration_s, n))
+    keep = rng.random(n) * peak < np.fromiter((rate(float(x)) for x in starts), np.float64, n)
+    starts = starts[keep]
+    if shape.silent_share > 0.0:
+        mean_off = shape.mean_on_s * shape.silent_share / (1.0 - shape.silent_share)
+        clock, on = 0.0, bool(rng.random() >= shape.silent_share)
+        edges: list[tuple[float, float]] = []
+        while clock < duration_s:
+            length = float(rng.exponential(shape.mean_on_s if on else mean_off))
+            if not on:
+                edges.append((clock, clock + length))
+            clock += length
+            on = not on
+        silent = np.zeros(starts.size, dtype=bool)
+        for lo, hi in edges:
+            silent |= (starts >= lo) & (starts < hi)
+        starts = starts[~silent]
+    # Cluster sizes: geometric with the given mean (1: single requests).
+    p = 1.0 / max(shape.cluster_mean, 1.0)
+    sizes = rng.geometric(p, starts.size) if p < 1.0 else np.ones(starts.size, np.int64)
+    t = np.repeat(starts, sizes) + rng.uniform(0.0, shape.cluster_spread_s, int(sizes.sum()))
+    t = np.sort(t[t < duration_s])
+    prompt = rng.lognormal(math.log(shape.prompt_median), shape.prompt_sigma, t.size)
+    output = rng.lognormal(math.log(shape.output_median), shape.output_sigma, t.size)
+    short = rng.random(t.size) < shape.short_output_share
+    output = np.where(short, rng.integers(1, 11, t.size), output)
+    return Traffic(
+        t,
+        np.clip(prompt, 16, shape.max_prompt).astype(np.int64),
+        np.clip(output, 1, 4_000).astype(np.int64),
         duration_s,
         name,
     )

@@ -1,0 +1,166 @@
+"""Burst floors: the capacity a burst faster than pod start-up asks the planner to keep.
+
+A need that jumps by ``burst_ratio`` within one start-up horizon rose faster than
+pods can start; its peak (counted from the low point it rose from) is kept for
+``burst_memory_s`` so a burst coming back soon finds its capacity already there.
+Once bursts come at a steady period (:mod:`~stepscale_operator.burst_recurrence`),
+the next one's peak is provisioned one horizon before it is due, and nothing is
+held between. Pure and deterministic, like the planner that owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from stepscale_operator.burst_recurrence import BurstRecurrence, RecurringBurst
+from stepscale_operator.planner_stages import BurstFloor
+
+
+class BurstSettings(Protocol):
+    """The settings :class:`BurstMemory` reads (``PlannerPolicy`` has them all)."""
+
+    @property
+    def burst_ratio(self) -> float:
+        """A need this many times its recent low is a burst ..."""
+        ...
+
+    @property
+    def burst_min_step(self) -> int:
+        """... when it also rose by at least this many replicas."""
+        ...
+
+    @property
+    def burst_memory_s(self) -> float:
+        """How long a burst's peak is kept."""
+        ...
+
+    @property
+    def lookahead_extra_s(self) -> float:
+        """Added to a recurring burst's lead (one decision period at least)."""
+        ...
+
+    @property
+    def recurring_bursts(self) -> int:
+        """Onsets that confirm a period (0: no period learning)."""
+        ...
+
+    @property
+    def burst_period_tolerance(self) -> float:
+        """Gaps agree within this share of their mean."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Need:
+    time: float
+    replicas: int
+
+
+def _recurring_words(burst: RecurringBurst, now: float) -> str:
+    """Why capacity waits for a recurring burst, in words."""
+    due = burst.next_onset - now
+    when = f"due in {due:.0f}s" if due >= 0.0 else f"due {-due:.0f}s ago"
+    return (
+        f"bursts recur every {burst.period_s:.0f}s (last {burst.bursts}); the next is "
+        f"{when} and the recent ones needed {burst.peak_need}"
+    )
+
+
+class BurstMemory:
+    """Remembers needs, detects bursts and learns their period; see the module docstring."""
+
+    def __init__(self, settings: BurstSettings) -> None:
+        self.settings = settings
+        self._needs: list[_Need] = []  # need on the measured demand
+        self._last_burst: float | None = None
+        self._burst_began = 0.0  # when the last burst's rise began (its low point)
+        self._recurrence = BurstRecurrence(
+            settings.recurring_bursts, settings.burst_period_tolerance
+        )
+
+    def onsets(self) -> list[tuple[float, int]]:
+        """The bursts the period is learned from: (onset, peak need)."""
+        return self._recurrence.onsets()
+
+    def restore(self, onsets: Sequence[tuple[float, int]]) -> None:
+        """Start from bursts seen before (see :meth:`onsets`), on this clock."""
+        self._recurrence.restore(onsets)
+
+    def floor(
+        self, now: float, needed: int, horizon: float, first_decision: float | None
+    ) -> BurstFloor:
+        """The floor bursts ask for, and the recurring burst it prepares for (if so).
+
+        Bursts at a period (see :mod:`~stepscale_operator.burst_recurrence`): from
+        one look-ahead horizon (plus the period's jitter) before the next is due
+        until it comes, the floor is the recent bursts' peak need; between bursts
+        of a confirmed period there is none. Otherwise the floor is the last
+        burst's peak need, kept for ``burst_memory_s`` after it (0 when none).
+
+        The peak counts from the low point the burst rose from: a higher need met
+        before the burst (an earlier daily peak) is not what a recurring burst
+        needs, and keeping it would hold capacity no burst asked for.
+        ``needed`` is sized on the demand (served load corrected by the queue's
+        growth or drain), so a backlog draining after the burst does not inflate it.
+        """
+        policy = self.settings
+        self._needs.append(_Need(now, needed))
+        keep = max(policy.burst_memory_s, horizon)
+        self._needs = [r for r in self._needs if r.time >= now - keep]
+        # The low point must be a need judged after one horizon on the model: over
+        # the planner's first horizon the load estimate's window and the fleet's
+        # batches are still filling, and the need rising with them is its own
+        # warm-up, not a burst (on the Azure trace it held the start-up's need
+        # for 15 minutes).
+        first = first_decision if first_decision is not None else now
+        warmed = first + horizon
+        before = [r for r in self._needs if r.time >= max(now - horizon, warmed)]
+        low = min(r.replicas for r in before) if before else needed
+        if needed - low >= policy.burst_min_step and needed >= policy.burst_ratio * max(low, 1):
+            new_burst = self._last_burst is None or now - self._last_burst > horizon
+            self._last_burst = now
+            # The rise began after the last time the need was at its low.
+            self._burst_began = max(r.time for r in before if r.replicas == low)
+            if new_burst:
+                # Its beat: when the need crossed halfway up. The low point's time
+                # wanders with the noise of the need before the burst (3, 4, 3...),
+                # by up to a horizon; the halfway crossing is where the rise is steep.
+                halfway = min(r.time for r in before if 2 * r.replicas >= low + needed)
+                self._recurrence.burst_began(halfway, needed)
+        seen = None if self._last_burst is None else now - self._last_burst
+        memory = 0
+        if self._last_burst is not None and now - self._last_burst <= keep:
+            peak = max(r.replicas for r in self._needs if r.time >= self._burst_began)
+            # The burst's peak, for the next one of a period (even without a memory).
+            self._recurrence.burst_need(peak)
+            if now - self._last_burst <= policy.burst_memory_s:
+                memory = peak
+        recurring = self._recurrence.expected(now)
+        onsets = tuple(self._recurrence.onsets())
+
+        def floor(value: int, prepared: RecurringBurst | None) -> BurstFloor:
+            if prepared is not None:
+                reason = _recurring_words(prepared, now)
+            elif value and seen is not None:
+                reason = (
+                    f"a burst faster than pod start-up was seen {seen:.0f}s ago; "
+                    f"its peak need ({value}) is kept for {policy.burst_memory_s:.0f}s"
+                )
+            else:
+                reason = "no burst to prepare for"
+            return BurstFloor(value, prepared, seen, onsets, recurring, reason)
+
+        if recurring is None:
+            return floor(memory, None)
+        lead = horizon + max(recurring.jitter_s, policy.lookahead_extra_s)
+        due_soon = now >= recurring.next_onset - lead
+        if recurring.confirmed:
+            return floor(recurring.peak_need, recurring) if due_soon else floor(0, None)
+        # A tentative period (one gap): prepare for the next burst, which costs a
+        # start-up's worth of capacity if it does not come, but keep the memory:
+        # one gap says nothing of what comes in between.
+        if due_soon and recurring.peak_need > memory:
+            return floor(recurring.peak_need, recurring)
+        return floor(memory, None)
