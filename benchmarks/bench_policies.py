@@ -49,6 +49,7 @@ from stepscale_operator.simulator.fleet import Fleet, FleetConfig, SimResult
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B
 from stepscale_operator.simulator.policies import (
     PlannerDrivenPolicy,
+    ScalingSetup,
     StaticPolicy,
     prediction_errors,
 )

@@ -273,6 +273,7 @@ class DemoOperator:
             samples=int(snapshot.get("samples", 0) or 0),
             min_samples=self.spec.autoscaling.cost_model.min_samples,
             mape=quality.get("mape"),
+            decision=result.decision,
         )
         self._previous_conditions = conditions
         decision = result.decision
