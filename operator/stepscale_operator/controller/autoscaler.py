@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 # oldest queued batch is this old (seconds), whichever comes first.
 INGEST_AT_MESSAGES = 4096
 INGEST_AFTER_S = 1.0
+# The subscriber's thread lets messages gather this long between receives (a receive
+# costs about the same for one message or a thousand; decisions come every seconds).
+RECEIVE_COALESCE_S = 0.1
 # Per-stream counts that the operator's counters total (stream_state.StreamState fields).
 COUNTED_FIELDS = ("messages", "passes", "lost", "restarts")
 
@@ -176,7 +179,11 @@ class DeploymentAutoscaler:
             self.planner.restore_burst_onsets([(t - ago, peak) for t, peak in bursts])
         self.pods = PodDirectory(spec.fpm_base_port, spec.data_parallel_size)
         self.subscriber = FpmSubscriber(
-            self._on_batch, streams=self.model.streams, observe_streams=False, clock=clock
+            self._on_batch,
+            streams=self.model.streams,
+            observe_streams=False,
+            clock=clock,
+            coalesce_s=RECEIVE_COALESCE_S,
         )
         self.subscriber.start()
 
