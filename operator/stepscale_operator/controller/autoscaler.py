@@ -59,8 +59,8 @@ log = logging.getLogger(__name__)
 
 # The subscriber thread ingests once this many messages are queued, or once the
 # oldest queued batch is this old (seconds), whichever comes first.
-INGEST_AT_MESSAGES = 4096
-INGEST_AFTER_S = 1.0
+INGEST_AT_MESSAGES = 8192
+INGEST_AFTER_S = 2.0
 # The subscriber's thread lets messages gather this long between receives (a receive
 # costs about the same for one message or a thousand; decisions come every seconds).
 RECEIVE_COALESCE_S = 0.1

@@ -9,8 +9,10 @@ cheap and safe under any load:
   (tens of messages at a few thousand messages per second). :meth:`IngestQueue.take`
   merges consecutive batches into one of up to ``chunk_messages`` rows that
   arrived within ``merge_span_s`` of each other; the chunk is ingested at the
-  arrival time of its last batch, so the load estimate's one-second buckets
-  stay right.
+  arrival time of its last batch. So a pass may be accounted up to
+  ``merge_span_s`` (2 s) after it arrived: small against the load window
+  (30 s by default) and the decision interval, and what makes ingest cheap
+  (the per-call cost is per stream, and a deployment has hundreds).
 * **Bounded in bytes, shedding counted.** What a queued batch holds is estimated
   from its rows (:func:`queued_bytes`); a batch that would take the queue past
   ``max_bytes`` is shed whole, counted in :attr:`IngestQueue.shed_messages`, and
@@ -27,7 +29,7 @@ from stepscale_operator.fpm_pipeline import PassMatrices
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 DEFAULT_CHUNK_MESSAGES = 8192
-DEFAULT_MERGE_SPAN_S = 0.5
+DEFAULT_MERGE_SPAN_S = 2.0
 # Per row besides its numbers: the list slot, the key tuple and its worker-id string
 # (CPython object headers; the id's own characters are added per batch).
 _ROW_OVERHEAD_BYTES = 8 + 64 + 56
