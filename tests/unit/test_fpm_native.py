@@ -208,7 +208,8 @@ def test_structured_hostile_maps_never_decode_differently(
     assert_agrees([payload])
 
 
-def test_drain_checks_every_frame_boundary() -> None:
+def connected_pair() -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """A raw XPUB and a SUB connected to it (the subscription has arrived)."""
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
@@ -217,6 +218,11 @@ def test_drain_checks_every_frame_boundary() -> None:
     sub.connect(f"tcp://127.0.0.1:{port}")
     assert pub.poll(5000)
     pub.recv()
+    return ctx, pub, sub
+
+
+def test_drain_checks_every_frame_boundary() -> None:
+    ctx, pub, sub = connected_pair()
     good = [b"", wire.encode_sequence(1), b"\x80"]
     sent = [good, [b"only"], [b"", b"short", b"\x80"], good, [b"", b"12345678", b"a", b"b"], good]
     for frames in sent:
@@ -243,14 +249,7 @@ def test_drain_checks_every_frame_boundary() -> None:
 
 
 def test_drain_rejects_oversized_payloads_uncopied_and_keeps_to_its_byte_budget() -> None:
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.XPUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"tcp://127.0.0.1:{port}")
-    assert pub.poll(5000)
-    pub.recv()
+    ctx, pub, sub = connected_pair()
     big = wire.MAX_PAYLOAD_BYTES + 1
     pub.send_multipart([b"", wire.encode_sequence(0), b"\x81" * big])
     for i in range(10):
