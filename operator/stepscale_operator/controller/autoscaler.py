@@ -38,7 +38,11 @@ import numpy as np
 from stepscale_engine.rate_limited_log import RateLimitedLog
 from stepscale_operator.controller.cost_model_prior import prior_snapshot
 from stepscale_operator.controller.discovery import PodDirectory, PodView, StreamChanges
-from stepscale_operator.controller.ingest_queue import DEFAULT_MAX_BYTES, IngestQueue
+from stepscale_operator.controller.ingest_queue import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MERGE_SPAN_S,
+    IngestQueue,
+)
 from stepscale_operator.controller.spec import AutoscalingSpec, VllmDeploymentSpec
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch, PassMatrices
@@ -93,6 +97,12 @@ def silence_safe_window(a: AutoscalingSpec) -> float:
     with the defaults (120 s vs 3 s) it never matters.
     """
     return max(a.scale_down_stabilization_s, a.stale_after_s + 2.0 * a.interval_s)
+
+
+def merge_span(spec: VllmDeploymentSpec) -> float:
+    """How far apart received batches merged into one model call may be: at most
+    2 s, and a small part of the load window (a short window must not turn lumpy)."""
+    return min(DEFAULT_MERGE_SPAN_S, spec.autoscaling.load_window_s / 15.0)
 
 
 def planner_policy(spec: VllmDeploymentSpec) -> PlannerPolicy:
@@ -161,7 +171,7 @@ class DeploymentAutoscaler:
         self._clock = clock
         self._wall_clock = wall_clock
         self._lock = threading.RLock()
-        self.queue = IngestQueue(max_bytes=max_queued_bytes)
+        self.queue = IngestQueue(max_bytes=max_queued_bytes, merge_span_s=merge_span(spec))
         self.strays = StrayStreams(expire_after_s=max(60.0, 4.0 * spec.autoscaling.interval_s))
         # The identities of the streams the pods publish (the model ingests only these).
         self._expected: set[tuple[str, int]] = set()
@@ -222,6 +232,7 @@ class DeploymentAutoscaler:
         with self._lock:
             old = self.spec
             self.spec = spec
+            self.queue.merge_span_s = merge_span(spec)
             if planner_policy(old) != planner_policy(spec):
                 learned = self.planner.burst_onsets()
                 self.planner = Planner(planner_policy(spec))
