@@ -1,4 +1,16 @@
-"""Ingest throughput: FPM messages/s decoded and dispatched into the model, on one core.
+"""Ingest ceiling of one core: FPM messages/s decoded and fed to one model from a full queue.
+
+What this measures, plainly: one subscriber draining a socket pre-filled with
+``--messages`` frames from ``--streams`` (16) streams in batches of up to 4,096,
+straight into one :class:`DeploymentModel`: the decode and ingest cost per
+message when batches are as large as they get. That is NOT the operator's
+shape: the operator runs one subscriber and one model per deployment, receives
+what arrived since the last receive (tens to thousands of messages) from up to
+thousands of endpoints, queues it, ingests merged chunks and decides every
+``intervalSeconds``, all in one process. Its figures (CPU per message, RSS,
+round latency, shedding at several offered rates) come from
+``benchmarks/bench_operator_ingest.py``; do not read this one's msg/s as the
+operator's capacity.
 
 A publisher process queues ``--messages`` frames into the subscriber's socket
 before the clock starts, so each measurement is the consumer alone draining a
@@ -255,6 +267,8 @@ def main() -> None:
     raw = rates["raw_recv_multipart"]
     pipeline = rates["pipeline"]
     result = {
+        "measures": "one core's decode+ingest ceiling from a full queue (not the operator's "
+        "shape; see bench_operator_ingest.py)",
         "messages": n,
         "streams": args.streams,
         "rounds": args.repeats,
@@ -275,6 +289,10 @@ def main() -> None:
     }
     meets_rate, meets_ratio = pipeline >= TARGET_MSGS_PER_S, pipeline / raw >= TARGET_RATIO
     result["verdict"] = _mark(meets_rate and meets_ratio)
+    print(
+        "Ceiling of one core (one model, 4,096-message batches from a full queue); "
+        "not the operator's shape: see benchmarks/bench_operator_ingest.py"
+    )
     print(f"median of {args.repeats} rounds")
     print(f"{'mode':<22}{'msgs/s':>12}{'vs raw':>9}{'best':>12}")
     for name, rate in rates.items():

@@ -4,11 +4,14 @@
  * Two jobs, both per batch so Python pays its call overhead once per batch,
  * not once per message or per frame:
  *
- *  drain(socket, max_messages)  receives whole multipart messages from a pyzmq
- *      socket (its `underlying` address) with ZMQ_DONTWAIT, checks every frame
- *      boundary (exactly three frames, an 8-byte sequence frame) and packs the
- *      sequences and payloads into two byte strings. The GIL is released while
- *      receiving.
+ *  drain(socket, max_messages, max_bytes, max_payload)  receives whole multipart
+ *      messages from a pyzmq socket (its `underlying` address) with ZMQ_DONTWAIT,
+ *      checks every frame boundary (exactly three frames, an 8-byte sequence
+ *      frame) and packs the sequences and payloads into two byte strings. A
+ *      payload over max_payload is rejected before it is copied (only its size
+ *      is kept), and a drain stops once it holds max_bytes of payloads, so one
+ *      call's memory is bounded whatever the peers send. The GIL is released
+ *      while receiving.
  *
  *  decode_columns(payloads, ends, out, schema)  reads msgpack FPM payloads
  *      straight into a float64 row per message, plus the stream key
@@ -98,11 +101,11 @@ static int buf_put(buffer_t *b, const void *src, size_t n) {
 }
 
 /* Reject codes, mirrored in fpm_native.py. */
-enum { REJECT_FRAME_COUNT = 1, REJECT_SEQUENCE_LENGTH = 2 };
+enum { REJECT_FRAME_COUNT = 1, REJECT_SEQUENCE_LENGTH = 2, REJECT_PAYLOAD_TOO_LARGE = 3 };
 
 typedef struct {
     int code;
-    uint32_t sequence_length;
+    uint32_t sequence_length; /* REJECT_PAYLOAD_TOO_LARGE: the payload size (saturated) */
     size_t offset, length; /* the payload, in the rejects buffer */
 } reject_t;
 
@@ -116,8 +119,13 @@ static int recv_frame(void *socket, zmq_msg_t *msg, int *error) {
 static PyObject *drain(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *address;
-    Py_ssize_t max_messages;
-    if (!PyArg_ParseTuple(args, "On", &address, &max_messages)) return NULL;
+    Py_ssize_t max_messages, max_bytes, max_payload;
+    if (!PyArg_ParseTuple(args, "Onnn", &address, &max_messages, &max_bytes, &max_payload))
+        return NULL;
+    if (max_bytes < 1 || max_payload < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_bytes must be >= 1 and max_payload >= 0");
+        return NULL;
+    }
     if (p_msg_recv == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "bind_libzmq was not called");
         return NULL;
@@ -158,6 +166,11 @@ static PyObject *drain(PyObject *self, PyObject *args) {
             while (more && recv_frame(socket, &rest, &error) > 0) more = p_msg_more(&rest);
             p_msg_close(&rest);
             rej.code = REJECT_FRAME_COUNT;
+        } else if (p_msg_size(&frames[2]) > (size_t)max_payload) {
+            /* Never copied: only its size is reported. */
+            size_t size = p_msg_size(&frames[2]);
+            rej.code = REJECT_PAYLOAD_TOO_LARGE;
+            rej.sequence_length = size > 0xffffffffu ? 0xffffffffu : (uint32_t)size;
         } else if (p_msg_size(&frames[1]) != 8) {
             rej.code = REJECT_SEQUENCE_LENGTH;
             rej.sequence_length = (uint32_t)p_msg_size(&frames[1]);
@@ -174,7 +187,7 @@ static PyObject *drain(PyObject *self, PyObject *args) {
             accepted++;
         }
         if (rej.code) oom |= buf_put(&reject_list, &rej, sizeof rej);
-        if (oom || payloads.len > 0x7fffffffu) break;
+        if (oom || payloads.len >= (size_t)max_bytes || payloads.len > 0x7fffffffu) break;
     }
     for (int i = 0; i < 3; i++) p_msg_close(&frames[i]);
     Py_END_ALLOW_THREADS
@@ -563,7 +576,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"bind_libzmq", bind_libzmq, METH_O, "Resolve zmq_msg_* through pyzmq's backend module."},
-    {"drain", drain, METH_VARARGS, "drain(socket_address, max_messages) -> batch tuple"},
+    {"drain", drain, METH_VARARGS,
+     "drain(socket_address, max_messages, max_bytes, max_payload) -> batch tuple"},
     {"decode_columns", decode_columns, METH_VARARGS,
      "decode_columns(payloads, ends, out, schema, max_payload) -> (keys, doubtful)"},
     {NULL, NULL, 0, NULL},

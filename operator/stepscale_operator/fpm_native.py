@@ -6,9 +6,11 @@ that, not the work itself, bounds a pure-Python subscriber to roughly 100k
 messages/s on one core. The C extension ``_fpm_native`` does the same steps once
 per *batch*:
 
-* :func:`drain` receives up to N whole messages (GIL released), checks every
-  frame boundary exactly as :mod:`stepscale_engine.wire` requires and returns the
-  sequences and payloads packed into two byte strings;
+* :func:`drain` receives up to N whole messages or a byte budget of payloads
+  (GIL released), checks every frame boundary exactly as
+  :mod:`stepscale_engine.wire` requires, rejects payloads over the wire limit
+  before copying them, and returns the sequences and payloads packed into two
+  byte strings;
 * :func:`decode_columns` reads those payloads straight into the rows of
   :class:`~stepscale_operator.fpm_pipeline.PassMatrices`. It handles only the
   plain form of the wire format and marks everything else *doubtful*; the
@@ -54,7 +56,9 @@ FloatArray = npt.NDArray[np.float64]
 
 # Mirrors of the C enums.
 _KIND_INT, _KIND_FLOAT, _KIND_KEY_STR, _KIND_OPT_STR, _KIND_MAP = 1, 2, 3, 4, 5
-REJECT_FRAME_COUNT, REJECT_SEQUENCE_LENGTH = 1, 2
+REJECT_FRAME_COUNT, REJECT_SEQUENCE_LENGTH, REJECT_PAYLOAD_TOO_LARGE = 1, 2, 3
+# Payload bytes one drain may hold (it stops after the message that reaches it).
+DEFAULT_DRAIN_BYTES = 4 * 1024 * 1024
 
 # Where each top-level field of ForwardPassMetrics goes.
 _TOP_COLUMNS = {
@@ -156,14 +160,24 @@ class DrainedMessages:
     sequences: bytes  # 8 bytes (big-endian) per well-framed message
     payloads: bytes  # their payloads, back to back
     ends: npt.NDArray[np.uint32]  # end offset of each payload in ``payloads``
-    rejects: list[tuple[int, int, bytes]]  # (REJECT_*, sequence frame length, payload)
+    # (REJECT_*, sequence frame length or, for REJECT_PAYLOAD_TOO_LARGE, the payload
+    # size, payload: only for REJECT_SEQUENCE_LENGTH)
+    rejects: list[tuple[int, int, bytes]]
 
 
-def drain(sock: zmq.Socket, max_messages: int) -> DrainedMessages:
-    """Receive up to ``max_messages`` queued messages without blocking."""
+def drain(
+    sock: zmq.Socket,
+    max_messages: int,
+    max_bytes: int = DEFAULT_DRAIN_BYTES,
+    max_payload: int = wire.MAX_PAYLOAD_BYTES,
+) -> DrainedMessages:
+    """Receive up to ``max_messages`` queued messages (or ``max_bytes`` of payloads)
+    without blocking; a payload over ``max_payload`` bytes is rejected uncopied."""
     if not DRAIN_AVAILABLE or _native is None:
         raise RuntimeError("the native FPM receive is not available")
-    received, seqs, payloads, ends, rejects = _native.drain(sock.underlying, max_messages)
+    received, seqs, payloads, ends, rejects = _native.drain(
+        sock.underlying, max_messages, max(1, int(max_bytes)), max(0, int(max_payload))
+    )
     return DrainedMessages(received, seqs, payloads, np.frombuffer(ends, np.uint32), rejects)
 
 

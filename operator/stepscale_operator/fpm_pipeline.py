@@ -70,6 +70,15 @@ class PassMatrices:
         ).reshape(n, N_NUMERIC)
         return cls([(m.worker_id, m.dp_rank) for m in msgs], numeric)
 
+    @classmethod
+    def concat(cls, parts: Sequence[PassMatrices]) -> PassMatrices:
+        """The rows of ``parts`` one after the other (one ingest for many receives)."""
+        if len(parts) == 1:
+            return parts[0]
+        keys = list(itertools.chain.from_iterable(p.keys for p in parts))
+        numeric = np.concatenate([p.numeric for p in parts]) if parts else np.zeros((0, N_NUMERIC))
+        return cls(keys, numeric)
+
     @cached_property
     def groups(self) -> StreamGroups:
         """The rows grouped by stream (computed once, shared by every consumer)."""
@@ -195,6 +204,11 @@ class DeploymentModel:
             matrices = msgs.matrices
         else:
             matrices = PassMatrices.from_messages(msgs)
+        return self.ingest_matrices(matrices, now)
+
+    def ingest_matrices(self, matrices: PassMatrices, now: float) -> IngestResult:
+        """:meth:`ingest` of a batch already in columns (several receives may be merged:
+        a call costs about as much whatever its size, so fewer, larger calls are cheaper)."""
         with self._lock:
             restarted: tuple[StreamKey, ...] = ()
             pass_index = None  # the cost model counts warm-up itself unless we tell it

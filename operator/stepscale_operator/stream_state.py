@@ -35,6 +35,8 @@ StreamKey = tuple[str, int]
 
 DEFAULT_STALE_AFTER_S = 3.0 * wire.HEARTBEAT_INTERVAL_S
 DEFAULT_MAX_STREAMS = 4096
+# StreamState counters kept in StreamTable.evicted_counts when a stream is evicted.
+EVICTED_COUNTED = ("messages", "passes", "heartbeats", "lost", "restarts", "duplicates")
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,8 @@ class StreamTable:
         # Rejections whose stream is unknown (the payload did not decode) land here too.
         self.rejected: dict[str, int] = {}
         self.evicted = 0
+        # The counts of evicted streams, so that totals over the table never go down.
+        self.evicted_counts: dict[str, int] = dict.fromkeys(EVICTED_COUNTED, 0)
 
     # -- membership ------------------------------------------------------------
 
@@ -282,6 +286,12 @@ class StreamTable:
         restarted: list[StreamKey] = []
         for j, state in enumerate(states):
             n_msgs, n_pass, n_hb, n_lost, n_restart, n_dup = (int(v) for v in sums[j])
+            if self._streams.get(state.key) is not state:
+                # Evicted by a newer stream of this same batch: its counts still count.
+                for name, value in zip(
+                    EVICTED_COUNTED, (n_msgs, n_pass, n_hb, n_lost, n_restart, n_dup), strict=True
+                ):
+                    self.evicted_counts[name] += value
             state.duplicates += n_dup
             if n_msgs == 0:
                 continue
@@ -365,5 +375,7 @@ class StreamTable:
         """Forget the least recently seen unexpected stream, else the oldest expected one."""
         lru = self._lru if self._lru else self._lru_expected
         victim, _ = lru.popitem(last=False)
-        del self._streams[victim]
+        state = self._streams.pop(victim)
         self.evicted += 1
+        for name in EVICTED_COUNTED:
+            self.evicted_counts[name] += int(getattr(state, name))

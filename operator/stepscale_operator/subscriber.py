@@ -6,6 +6,13 @@ each payload. Endpoints are added and removed at run time from any thread: the
 request is queued and the polling thread is woken through an inproc PAIR socket,
 because ZMQ sockets must only be used by one thread.
 
+Memory is bounded in bytes, whatever the peers send: the socket refuses frames
+over :data:`MAX_FRAME_BYTES` (ZMQ drops such a peer's connection; it reconnects,
+and the stream's sequence gap counts what was lost), a payload over the wire
+limit is rejected before it is copied or decoded, each drain stops at
+``max_batch_bytes`` of payloads, and each connection queues at most ``rcvhwm``
+messages (beyond that ZMQ drops them, which the sequence numbers count as lost).
+
 Receiving is batched: up to ``max_batch`` messages are drained per wake-up and
 decoded straight into columns (:class:`~stepscale_operator.fpm_pipeline.PassMatrices`),
 handed to the sink as one :class:`~stepscale_operator.fpm_pipeline.MessageBatch`.
@@ -27,6 +34,7 @@ one packet must never stop ingestion.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -45,6 +53,7 @@ from stepscale_engine import wire
 from stepscale_engine.rate_limited_log import RateLimitedLog
 from stepscale_engine.wire import DecodeError, ForwardPassMetrics, FrameError
 from stepscale_operator import fpm_native
+from stepscale_operator.connection_monitor import ConnectionMonitor
 from stepscale_operator.fpm_pipeline import MessageBatch, PassMatrices
 from stepscale_operator.pass_columns import COL_COUNTER, COL_VERSION
 from stepscale_operator.stream_state import StreamKey, StreamTable
@@ -57,6 +66,11 @@ _raw_decoder = msgspec.msgpack.Decoder()
 _instance_ids = itertools.count()
 # Counters at or above 2**53 are not exact in float64: send them to the slow path.
 _EXACT_FLOAT_LIMIT = float(2**53)
+# ZMQ_MAXMSGSIZE of the SUB socket. Above the wire limit, so that a payload a little
+# too large is received and counted (payload_too_large); a far larger frame costs
+# its sender the connection before it is buffered.
+MAX_FRAME_BYTES = 2 * wire.MAX_PAYLOAD_BYTES
+DEFAULT_RCVHWM = 1000  # messages per connection: ~20 s of one engine at 50 passes/s
 
 
 @dataclass
@@ -71,6 +85,7 @@ class SubscriberStats:
     batches: int = 0
     sink_errors: int = 0
     endpoint_errors: int = 0
+    reconnects: int = 0  # connections ZMQ dropped for good (e.g. a frame too large), re-made
     internal_errors: int = 0  # unexpected errors in the polling loop (it keeps running)
 
 
@@ -86,18 +101,26 @@ class FpmSubscriber:
         observe_streams: bool = True,
         context: zmq.Context | None = None,
         max_batch: int = 4096,
-        rcvhwm: int = 100_000,
+        max_batch_bytes: int = fpm_native.DEFAULT_DRAIN_BYTES,
+        rcvhwm: int = DEFAULT_RCVHWM,
         native_receive: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        coalesce_s: float = 0.0,
     ) -> None:
         """``streams``/``observe_streams``: see :class:`DeploymentModel` for sharing a table.
 
         ``native_receive``: use the native batched receive (default: where it is built).
+        ``coalesce_s``: after draining the socket, the polling thread waits this long
+        before it looks again, so that each receive takes many messages (each costs
+        a fixed overhead): throughput for latency. Keep ``rcvhwm`` above what one
+        connection sends in that time.
         """
         self.on_batch = on_batch
         self.streams = streams if streams is not None else StreamTable()
         self.observe_streams = observe_streams
         self.max_batch = max(1, int(max_batch))
+        self.max_batch_bytes = max(1, int(max_batch_bytes))
+        self.coalesce_s = max(0.0, float(coalesce_s))
         if native_receive is None:
             native_receive = fpm_native.DRAIN_AVAILABLE
         elif native_receive and not fpm_native.DRAIN_AVAILABLE:
@@ -116,6 +139,7 @@ class FpmSubscriber:
 
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         ctrl = f"inproc://stepscale-fpm-sub-ctrl-{id(self)}-{next(_instance_ids)}"
@@ -128,6 +152,8 @@ class FpmSubscriber:
         self._poller = zmq.Poller()
         self._poller.register(self._sub, zmq.POLLIN)
         self._poller.register(self._ctrl_recv, zmq.POLLIN)
+        self._monitor = ConnectionMonitor(self._sub)
+        self._poller.register(self._monitor.socket, zmq.POLLIN)
         for ep in endpoints:
             self.add_endpoint(ep)
 
@@ -167,12 +193,35 @@ class FpmSubscriber:
                     self._endpoints.add(endpoint)
                 elif op == "remove" and endpoint in self._endpoints:
                     self._endpoints.discard(endpoint)
+                    self._monitor.forget(endpoint)
                     self._sub.disconnect(endpoint)
             except zmq.ZMQError as exc:
                 self.stats.endpoint_errors += 1
                 self._rate_log.warning(
                     f"endpoint-{op}", "FPM subscriber cannot %s %s: %s", op, endpoint, exc
                 )
+
+    def _reconnect_dropped(self) -> None:
+        """Re-connect the endpoints whose connection ZMQ closed and will not restore."""
+        now = self._clock()
+        self._monitor.read_events(now)
+        for endpoint in self._monitor.due(now):
+            if endpoint not in self._endpoints:
+                continue
+            self.stats.reconnects += 1
+            self._rate_log.warning(
+                "reconnect",
+                "FPM endpoint %s was dropped (frame too large?); re-connecting",
+                endpoint,
+            )
+            # ZMQ may have forgotten it already: then connecting again is all that is needed.
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disconnect(endpoint)
+            try:
+                self._sub.connect(endpoint)
+            except zmq.ZMQError as exc:
+                self.stats.endpoint_errors += 1
+                self._rate_log.warning("endpoint-add", "cannot re-connect %s: %s", endpoint, exc)
 
     # -- synchronous API (tests, simulator) -------------------------------------
 
@@ -181,6 +230,7 @@ class FpmSubscriber:
         if self._thread is not None:
             raise RuntimeError("poll_batch is not available while the background thread runs")
         self._apply_commands()
+        self._reconnect_dropped()
         if not self._sub.poll(int(timeout_s * 1000), zmq.POLLIN):
             return MessageBatch.of([])
         return self._receive_batch()
@@ -218,6 +268,7 @@ class FpmSubscriber:
         if thread is not None:
             thread.join(timeout_s)
             self._thread = None
+        self._monitor.close()
         for sock in (self._sub, self._ctrl_recv, self._ctrl_send):
             sock.close(linger=0)
 
@@ -239,6 +290,7 @@ class FpmSubscriber:
     def _poll_and_drain(self) -> None:
         """One wake-up of the polling thread: endpoint changes, then drain the socket."""
         self._apply_commands()
+        self._reconnect_dropped()
         events = dict(self._poller.poll(100))
         if self._ctrl_recv in events:
             while self._ctrl_recv.poll(0):
@@ -249,16 +301,22 @@ class FpmSubscriber:
                 self._dispatch(self._receive_batch())
                 if not self._sub.poll(0, zmq.POLLIN):
                     break
+            if self.coalesce_s > 0:
+                # Let messages gather: a receive costs about the same for 1 or 1,000.
+                self._stop.wait(self.coalesce_s)
 
     # -- receiving and decoding -------------------------------------------------
 
     def _receive_batch(self) -> MessageBatch:
         """Drain up to ``max_batch`` messages and decode them."""
         if self.native_receive:
-            drained = fpm_native.drain(self._sub, self.max_batch)
+            drained = fpm_native.drain(self._sub, self.max_batch, self.max_batch_bytes)
             self.stats.received += drained.received
             for code, sequence_length, payload in drained.rejects:
-                if code == fpm_native.REJECT_SEQUENCE_LENGTH:
+                if code == fpm_native.REJECT_PAYLOAD_TOO_LARGE:
+                    # Never copied nor decoded: no identity to count it against.
+                    self._reject(FrameError.PAYLOAD_TOO_LARGE, None, f"{sequence_length} bytes")
+                elif code == fpm_native.REJECT_SEQUENCE_LENGTH:
                     self._reject(
                         FrameError.SEQUENCE_LENGTH,
                         _peek_stream(payload),
@@ -276,7 +334,10 @@ class FpmSubscriber:
         recv = self._sub.recv
         noblock = zmq.NOBLOCK
         received = 0
+        budget = self.max_batch_bytes
         for _ in range(self.max_batch):
+            if budget <= 0:
+                break
             try:
                 # Zero-copy frames carry their own "more" flag (zmq_msg_more), so
                 # every boundary is checked without a getsockopt per frame.
@@ -296,7 +357,12 @@ class FpmSubscriber:
                     continue
             except zmq.Again:
                 break  # ZMQ delivers whole messages: only the queue ran empty
+            size = len(third.buffer)
+            if size > wire.MAX_PAYLOAD_BYTES:  # rejected before it is copied or decoded
+                self._reject(FrameError.PAYLOAD_TOO_LARGE, None, f"{size} bytes")
+                continue
             seq, payload = second.bytes, third.buffer
+            budget -= size
             if len(seq) != 8:
                 self._reject(FrameError.SEQUENCE_LENGTH, _peek_stream(payload), f"{len(seq)} bytes")
                 continue

@@ -208,7 +208,8 @@ def test_structured_hostile_maps_never_decode_differently(
     assert_agrees([payload])
 
 
-def test_drain_checks_every_frame_boundary() -> None:
+def connected_pair() -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """A raw XPUB and a SUB connected to it (the subscription has arrived)."""
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
@@ -217,6 +218,11 @@ def test_drain_checks_every_frame_boundary() -> None:
     sub.connect(f"tcp://127.0.0.1:{port}")
     assert pub.poll(5000)
     pub.recv()
+    return ctx, pub, sub
+
+
+def test_drain_checks_every_frame_boundary() -> None:
+    ctx, pub, sub = connected_pair()
     good = [b"", wire.encode_sequence(1), b"\x80"]
     sent = [good, [b"only"], [b"", b"short", b"\x80"], good, [b"", b"12345678", b"a", b"b"], good]
     for frames in sent:
@@ -237,6 +243,25 @@ def test_drain_checks_every_frame_boundary() -> None:
     # An empty queue gives an empty batch, not an error.
     empty = fpm_native.drain(sub, 100)
     assert (empty.received, empty.payloads, len(empty.ends)) == (0, b"", 0)
+    sub.close(0)
+    pub.close(0)
+    ctx.term()
+
+
+def test_drain_rejects_oversized_payloads_uncopied_and_keeps_to_its_byte_budget() -> None:
+    ctx, pub, sub = connected_pair()
+    big = wire.MAX_PAYLOAD_BYTES + 1
+    pub.send_multipart([b"", wire.encode_sequence(0), b"\x81" * big])
+    for i in range(10):
+        pub.send_multipart([b"", wire.encode_sequence(i), b"p" * 1000])
+    got: list[fpm_native.DrainedMessages] = []
+    while sum(d.received for d in got) < 11:
+        assert sub.poll(5000)
+        got.append(fpm_native.drain(sub, 100, max_bytes=2500))
+    assert got[0].rejects == [(fpm_native.REJECT_PAYLOAD_TOO_LARGE, big, b"")]
+    # Each drain stops at the message that reaches its budget.
+    assert all(len(d.payloads) <= 3000 for d in got)
+    assert b"".join(d.payloads for d in got) == b"p" * 10_000
     sub.close(0)
     pub.close(0)
     ctx.term()

@@ -207,3 +207,18 @@ def test_stream_groups_keep_first_appearance_order_and_map_every_row() -> None:
     assert StreamGroups.of(groups) is groups and len(groups) == 6
     empty = StreamGroups.of([])
     assert empty.keys == [] and len(empty) == 0
+
+
+def test_evicted_streams_keep_their_counts() -> None:
+    table = StreamTable(max_streams=2)
+    for worker in ("a", "b", "c"):
+        for counter in (0, 1, 3):  # one lost
+            table.observe(
+                ForwardPassMetrics(worker_id=worker, counter_id=counter, wall_time=0.01), 0.0
+            )
+    assert table.evicted == 1 and len(table) == 2
+    assert table.evicted_counts["messages"] == 3
+    assert table.evicted_counts["passes"] == 3
+    assert table.evicted_counts["lost"] == 1
+    kept = sum(s.messages for s in (table.get(k) for k in table) if s is not None)
+    assert kept + table.evicted_counts["messages"] == 9

@@ -430,3 +430,66 @@ def test_each_run_uses_the_receive_path_it_names(ctx: zmq.Context, receive_path:
     with FpmSubscriber(context=ctx) as sub:
         assert sub.native_receive is native
     assert fpm_native.AVAILABLE is native
+
+
+def test_oversized_payloads_are_rejected_before_they_are_decoded(ctx: zmq.Context) -> None:
+    """A payload over the wire limit is counted without its identity: it was never decoded."""
+    pub, ep = xpub(ctx)
+    padded = payload_dict(1, timing_scope="x" * (wire.MAX_PAYLOAD_BYTES + 10))
+    with FpmSubscriber(context=ctx) as sub:
+        connect(sub, pub, ep)
+        pub.send_multipart(frames_of(payload_dict(0)))
+        got = collect(sub, 1)
+        pub.send_multipart(frames_of(padded))  # valid msgpack naming stream ("dyn", 0)
+        pub.send_multipart(frames_of(payload_dict(2)))
+        got += collect(sub, 3)
+    assert [m.counter_id for m in got] == [0, 2]
+    assert sub.stats.rejected == {"payload_too_large": 1}
+    state = sub.streams.get(("dyn", 0))
+    assert state is not None and state.rejected == {}
+    pub.close(0)
+
+
+def test_huge_frames_never_reach_the_subscriber(ctx: zmq.Context) -> None:
+    """Frames far over the limit cost their sender the connection (ZMQ_MAXMSGSIZE): they
+    are never buffered, and the publisher's later messages still arrive."""
+    pub, ep = xpub(ctx)
+    with FpmSubscriber(context=ctx) as sub:
+        connect(sub, pub, ep)
+        for _ in range(20):
+            pub.send_multipart([b"", wire.encode_sequence(0), b"\x00" * (1 << 20)])
+        got: list[wire.ForwardPassMetrics] = []
+        counter = 0
+
+        def arrived() -> bool:
+            nonlocal counter
+            if pub.poll(0):
+                pub.recv()  # the re-subscription after the reconnect
+            pub.send_multipart(frames_of(payload_dict(counter)))
+            counter += 1
+            got.extend(sub.poll_batch(0.05))
+            return bool(got)
+
+        assert wait_until(arrived, 10.0)
+    assert sub.stats.received == len(got) + sum(sub.stats.rejected.values())
+    assert "payload_too_large" not in sub.stats.rejected  # not received at all
+    assert sub.stats.reconnects >= 1  # ZMQ dropped the connection; the subscriber re-made it
+    pub.close(0)
+
+
+def test_one_receive_holds_a_bounded_number_of_payload_bytes(ctx: zmq.Context) -> None:
+    pub, ep = xpub(ctx)
+    size = len(frames_of(payload_dict(0))[2])
+    with FpmSubscriber(context=ctx, max_batch_bytes=5 * size) as sub:
+        connect(sub, pub, ep)
+        for i in range(40):
+            pub.send_multipart(frames_of(payload_dict(i)))
+        assert wait_until(lambda: sub._sub.poll(0) != 0)
+        time.sleep(0.2)  # let the 40 messages land in the socket's queue
+        sizes = []
+        while sum(sizes) < 40:
+            batch = sub.poll_batch(1.0)
+            assert len(batch) > 0
+            sizes.append(len(batch))
+    assert max(sizes) <= 5
+    pub.close(0)

@@ -5,11 +5,21 @@ and ask it to decide (:meth:`DeploymentAutoscaler.decide`); it owns the
 :class:`~stepscale_operator.subscriber.FpmSubscriber` that listens to every pod
 and rank.
 
-Threads: the subscriber's thread only appends received batches (with their
-arrival time) to a bounded queue; everything that touches the model (ingest,
-stream membership, predictions, snapshots) runs under one lock, on whichever
-thread the operator calls from. The model therefore has a single writer at a
-time and the planner never reads a half-updated fit.
+Threads: the subscriber's thread appends received batches (with their
+arrival time) to a queue bounded in bytes (:class:`.ingest_queue.IngestQueue`,
+which sheds and counts what does not fit); everything that touches the model
+(ingest, stream membership, predictions, snapshots) runs under one lock. Work
+under the lock is bounded per turn: the subscriber thread ingests one merged
+chunk at a time, and only when the lock is free (never waiting for it), so a
+decision round, a status snapshot or a pod event waits for at most one chunk;
+a decision round ingests what was queued when it began, not what arrives
+meanwhile. The model therefore has a single writer at a time and the planner
+never reads a half-updated fit.
+
+Streams follow pods: messages from an identity that no current pod backs (in
+flight when its pod was deleted, or no pod at all) never reach the model; they
+are counted by :class:`~stepscale_operator.stray_streams.StrayStreams` and
+forgotten once silent.
 """
 
 from __future__ import annotations
@@ -18,17 +28,24 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from stepscale_engine.rate_limited_log import RateLimitedLog
 from stepscale_operator.controller.cost_model_prior import prior_snapshot
 from stepscale_operator.controller.discovery import PodDirectory, PodView, StreamChanges
+from stepscale_operator.controller.ingest_queue import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MERGE_SPAN_S,
+    IngestQueue,
+)
 from stepscale_operator.controller.spec import AutoscalingSpec, VllmDeploymentSpec
 from stepscale_operator.cost_model import CostModel
-from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch
+from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch, PassMatrices
 from stepscale_operator.latency_model import EngineLimits, SloTargets
 from stepscale_operator.load_estimate import TREND_FIELDS, LoadEstimator
 from stepscale_operator.load_types import LoadEstimate
@@ -39,11 +56,18 @@ from stepscale_operator.planner import (
     PlannerPolicy,
     ReplicaCounts,
 )
+from stepscale_operator.stray_streams import StrayStreams
 from stepscale_operator.subscriber import FpmSubscriber
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_BATCHES = 10_000
+# The subscriber thread ingests once this many messages are queued, or once the
+# oldest queued batch is this old (seconds), whichever comes first.
+INGEST_AT_MESSAGES = 8192
+INGEST_AFTER_S = 2.0
+# The subscriber's thread lets messages gather this long between receives (a receive
+# costs about the same for one message or a thousand; decisions come every seconds).
+RECEIVE_COALESCE_S = 0.1
 # Per-stream counts that the operator's counters total (stream_state.StreamState fields).
 COUNTED_FIELDS = ("messages", "passes", "lost", "restarts")
 
@@ -80,6 +104,12 @@ def without_trends(load: LoadEstimate) -> LoadEstimate:
     has too little data: zero and named in ``unavailable``."""
     zeros: dict[str, Any] = dict.fromkeys(TREND_FIELDS, 0.0)
     return replace(load, **zeros, unavailable=load.unavailable | TREND_FIELDS)
+
+
+def merge_span(spec: VllmDeploymentSpec) -> float:
+    """How far apart received batches merged into one model call may be: at most
+    2 s, and a small part of the load window (a short window must not turn lumpy)."""
+    return min(DEFAULT_MERGE_SPAN_S, spec.autoscaling.load_window_s / 15.0)
 
 
 def planner_policy(spec: VllmDeploymentSpec) -> PlannerPolicy:
@@ -137,16 +167,22 @@ class DeploymentAutoscaler:
         bursts: Sequence[tuple[float, int]] = (),
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        max_queued_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         """``checkpoint``: a cost model to start from; ``bursts``: recent bursts
-        (wall-clock onset, peak need) the planner learns their period from again."""
+        (wall-clock onset, peak need) the planner learns their period from again;
+        ``max_queued_bytes``: received messages waiting for the model, beyond which
+        they are shed (counted)."""
         self.name = name
         self.spec = spec
         self._clock = clock
         self._wall_clock = wall_clock
         self._lock = threading.RLock()
-        self._queue: deque[tuple[float, MessageBatch]] = deque()
-        self.dropped_batches = 0
+        self.queue = IngestQueue(max_bytes=max_queued_bytes, merge_span_s=merge_span(spec))
+        self.strays = StrayStreams(expire_after_s=max(60.0, 4.0 * spec.autoscaling.interval_s))
+        # The identities of the streams the pods publish (the model ingests only these).
+        self._expected: set[tuple[str, int]] = set()
+        self._last_ingest = clock()
         # Counts of streams no longer in the model (pods gone, model rebuilt), so that
         # the totals never go down when a stream leaves.
         self._retired: Counter[str] = Counter()
@@ -164,7 +200,11 @@ class DeploymentAutoscaler:
             self.planner.restore_burst_onsets([(t - ago, peak) for t, peak in bursts])
         self.pods = PodDirectory(spec.fpm_base_port, spec.data_parallel_size)
         self.subscriber = FpmSubscriber(
-            self._on_batch, streams=self.model.streams, observe_streams=False, clock=clock
+            self._on_batch,
+            streams=self.model.streams,
+            observe_streams=False,
+            clock=clock,
+            coalesce_s=RECEIVE_COALESCE_S,
         )
         self.subscriber.start()
 
@@ -176,14 +216,25 @@ class DeploymentAutoscaler:
     # -- subscriber thread -------------------------------------------------------
 
     def _on_batch(self, msgs: MessageBatch) -> None:
-        """Sink of the subscriber: queue the batch with its arrival time (never blocks)."""
-        if len(self._queue) >= MAX_QUEUED_BATCHES:
-            self.dropped_batches += 1
+        """Sink of the subscriber: queue the batch with its arrival time, then ingest
+        merged chunks while the lock is free (never waits for it)."""
+        now = self._clock()
+        if not self.queue.put(now, msgs.matrices):
             self._rate_log.warning(
-                "queue-full", "%s: FPM batches arrive faster than they are ingested", self.name
+                "queue-full",
+                "%s: FPM messages arrive faster than they are ingested; shedding (counted)",
+                self.name,
             )
-            return
-        self._queue.append((self._clock(), msgs))
+        while len(self.queue) >= INGEST_AT_MESSAGES or (
+            len(self.queue) and now - self._last_ingest >= INGEST_AFTER_S
+        ):
+            if not self._lock.acquire(blocking=False):
+                return  # a round or a pod event has it: it ingests, or the next batch will
+            try:
+                self._ingest_chunk(self.queue.chunk_messages)
+                self._last_ingest = now
+            finally:
+                self._lock.release()
 
     # -- operator side -----------------------------------------------------------
 
@@ -192,6 +243,7 @@ class DeploymentAutoscaler:
         with self._lock:
             old = self.spec
             self.spec = spec
+            self.queue.merge_span_s = merge_span(spec)
             if planner_policy(old) != planner_policy(spec):
                 learned = self.planner.burst_onsets()
                 self.planner = Planner(planner_policy(spec))
@@ -248,21 +300,49 @@ class DeploymentAutoscaler:
         for endpoint, key in changes.removed.items():
             self.subscriber.remove_endpoint(endpoint)
             self.model.remove_stream(key)
+            self._expected.discard(key)
         for endpoint, key in changes.added.items():
             self.model.add_stream(key)
+            self._expected.add(key)
             self.subscriber.add_endpoint(endpoint)
 
-    def ingest(self) -> int:
-        """Feed every queued batch to the model at its arrival time; returns messages ingested."""
-        n = 0
+    def ingest(self, max_messages: int | None = None) -> int:
+        """Feed queued messages to the model in merged chunks at their arrival times:
+        at most ``max_messages`` (default: what is queued now, not what arrives while
+        this runs); returns the messages taken from the queue."""
         with self._lock:
-            while self._queue:
-                arrived, msgs = self._queue.popleft()
-                if self._window_filling_since is None:
-                    self._window_filling_since = arrived
-                self.model.ingest(msgs, arrived)
-                n += len(msgs)
-        return n
+            budget = len(self.queue) if max_messages is None else max_messages
+            n = 0
+            while n < budget:
+                taken = self._ingest_chunk(budget - n)
+                if taken == 0:
+                    break
+                n += taken
+            return n
+
+    def _ingest_chunk(self, max_messages: int) -> int:
+        """Ingest one merged chunk (the lock held); returns the messages taken."""
+        chunk = self.queue.take(max_messages)
+        if chunk is None:
+            return 0
+        arrived, matrices = chunk
+        if self._window_filling_since is None:
+            self._window_filling_since = arrived
+        self.model.ingest_matrices(self._pod_streams_only(matrices, arrived), arrived)
+        return len(matrices)
+
+    def _pod_streams_only(self, matrices: PassMatrices, now: float) -> PassMatrices:
+        """The rows of streams a current pod backs; the others are counted as strays."""
+        groups = matrices.groups
+        known = [key in self._expected for key in groups.keys]
+        if all(known):
+            return matrices
+        counts = np.bincount(groups.index, minlength=len(groups.keys))
+        self.strays.observe(
+            ((k, int(c)) for k, c, ok in zip(groups.keys, counts, known, strict=True) if not ok),
+            now,
+        )
+        return matrices.select(np.asarray(known, dtype=bool)[groups.index])
 
     def _retire(self, keys: Iterable[tuple[str, int]], rejected: bool = False) -> None:
         """Move the counts of streams about to leave (or of the whole table) to the totals."""
@@ -280,15 +360,34 @@ class DeploymentAutoscaler:
         if rejected:
             for reason, count in streams.rejected.items():
                 counts[f"malformed:{reason}"] += int(count)
+            for name in COUNTED_FIELDS:  # streams the table evicted to stay bounded
+                counts[name] += int(streams.evicted_counts.get(name, 0))
         return counts
 
     def totals(self) -> dict[str, int]:
-        """Messages, passes, lost, restarts, malformed frames by reason (``malformed:REASON``)
-        and dropped batches since this autoscaler started; they never decrease."""
+        """Messages, passes, lost, restarts, malformed frames by reason (``malformed:REASON``),
+        messages shed (queue full) and stray messages (no pod's stream) since this
+        autoscaler started; they never decrease."""
         with self._lock:
             totals = self._retired + self._stream_counts(self.model.streams.keys(), True)
-            totals["dropped_batches"] = self.dropped_batches
+            totals["shed_messages"] = self.queue.shed_messages
+            totals["stray_messages"] = self.strays.messages
             return {name: int(totals[name]) for name in (*COUNTED_FIELDS, *totals)}
+
+    def shedding(self, now: float) -> bool:
+        """True when messages were shed within the last decision interval."""
+        last = self.queue.last_shed
+        return last is not None and now - last <= max(1.0, self.spec.autoscaling.interval_s)
+
+    def stream_health(self, now: float) -> dict[str, Any]:
+        """The stream table's health, with the ingest's shedding and the stray identities."""
+        with self._lock:
+            health = self.model.streams.health(now, per_stream=False)
+            health["shedding"] = self.shedding(now)
+            health["shed_messages"] = self.queue.shed_messages
+            health["stray_streams"] = self.strays.active(now)
+            health["stray_messages"] = self.strays.messages
+            return health
 
     def replica_counts(self, now: float) -> ReplicaCounts:
         """Ready pods, and the start times (on this object's clock) of those still starting."""
@@ -351,7 +450,7 @@ class DeploymentAutoscaler:
                 decision=decision,
                 load=load,
                 cost_model_snapshot=cost_model.to_dict(),
-                stream_health=self.model.streams.health(now, per_stream=False),
+                stream_health=self.stream_health(now),
                 endpoints=len(self.pods.endpoints),
                 ready=counts.ready,
                 starting=len(counts.starting_since),

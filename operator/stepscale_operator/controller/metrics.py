@@ -42,9 +42,14 @@ METRICS: tuple[MetricSpec, ...] = (
         (*D, "reason"),
     ),
     MetricSpec(
-        "stepscale_fpm_dropped_batches_total",
+        "stepscale_fpm_shed_messages_total",
         "counter",
-        "Received batches dropped because the operator fell behind",
+        "Received messages shed because the operator fell behind (its queue is bounded in bytes)",
+    ),
+    MetricSpec(
+        "stepscale_fpm_stray_messages_total",
+        "counter",
+        "Messages from identities no current pod backs (in flight at a deletion, or no pod)",
     ),
     MetricSpec("stepscale_fpm_streams", "gauge", "FPM streams by state", (*D, "state")),
     MetricSpec("stepscale_fpm_endpoints", "gauge", "FPM endpoints subscribed to"),

@@ -27,7 +27,8 @@ TOTAL_COUNTERS = {
     "passes": "stepscale_fpm_passes_total",
     "lost": "stepscale_fpm_lost_messages_total",
     "restarts": "stepscale_fpm_stream_restarts_total",
-    "dropped_batches": "stepscale_fpm_dropped_batches_total",
+    "shed_messages": "stepscale_fpm_shed_messages_total",
+    "stray_messages": "stepscale_fpm_stray_messages_total",
 }
 LOAD_GAUGES = (
     ("prefill", "prefillTokensPerSecond"),
@@ -145,6 +146,8 @@ def observe_metrics(
     streams = status.get("streams") or {}
     metrics.set_gauge("stepscale_fpm_streams", (deployment, "fresh"), streams.get("connected", 0))
     metrics.set_gauge("stepscale_fpm_streams", (deployment, "stale"), streams.get("stale", 0))
+    stray = streams.get("strayStreams", 0)
+    metrics.set_gauge("stepscale_fpm_streams", (deployment, "stray"), stray)
     metrics.set_gauge("stepscale_fpm_endpoints", (deployment,), endpoints)
     cm = status.get("costModel") or {}
     _coefficients(metrics, deployment, cm.get("coefficients") or [])

@@ -25,6 +25,19 @@ from stepscale_operator.planner import Decision
 
 CONDITION_TYPES = ("MetricsFresh", "ModelReady", "ScalingActive", "Degraded")
 CHECKPOINT_KEY = "checkpoint"
+# Lists of stream names in status are capped in count and name length, so the
+# object stays small whatever identities arrive (the API server refuses ~1.5 MiB).
+MAX_LISTED_STREAMS = 32
+MAX_STREAM_NAME = 128
+
+
+def stream_names(names: Sequence[str]) -> list[str]:
+    """At most :data:`MAX_LISTED_STREAMS` names, each cut to :data:`MAX_STREAM_NAME`
+    characters (a cut name ends in ``...``); the counts next to the list stay exact."""
+    return [
+        n if len(n) <= MAX_STREAM_NAME else n[: MAX_STREAM_NAME - 3] + "..."
+        for n in names[:MAX_LISTED_STREAMS]
+    ]
 
 
 def rfc3339(wall_s: float) -> str:
@@ -171,7 +184,9 @@ def load_status(load: LoadEstimate | None) -> dict[str, Any] | None:
         name = _LOAD_FIELDS.get(key)
         if name is None:
             continue
-        if isinstance(value, bool | int | list):
+        if name == "missingStreams" and isinstance(value, list):
+            out[name] = stream_names(value)
+        elif isinstance(value, bool | int | list):
             out[name] = value
         else:
             out[name] = finite(value, 3)  # None stays None: not measurable, not zero
@@ -296,7 +311,7 @@ def stream_status(health: Mapping[str, Any], endpoints: int) -> dict[str, Any]:
         "total": int(health.get("streams", 0)),
         "connected": int(health.get("fresh", 0)),
         "stale": len(stale),
-        "staleStreams": stale[:32],
+        "staleStreams": stream_names(stale),
         "messages": int(health.get("messages", 0)),
         "passes": int(health.get("passes", 0)),
         "heartbeats": int(health.get("heartbeats", 0)),
@@ -305,6 +320,10 @@ def stream_status(health: Mapping[str, Any], endpoints: int) -> dict[str, Any]:
         "duplicates": int(health.get("duplicates", 0)),
         "malformed": sum(rejected.values()),
         "malformedByReason": rejected,
+        "shedding": bool(health.get("shedding", False)),
+        "shedMessages": int(health.get("shed_messages", 0)),
+        "strayStreams": int(health.get("stray_streams", 0)),
+        "strayMessages": int(health.get("stray_messages", 0)),
     }
 
 
