@@ -185,7 +185,7 @@ def load_status(load: LoadEstimate | None) -> dict[str, Any] | None:
         if name is None:
             continue
         if name == "missingStreams" and isinstance(value, list):
-            out[name] = stream_names(value)
+            out[name] = stream_names([str(v) for v in value])
         elif isinstance(value, bool | int | list):
             out[name] = value
         else:
