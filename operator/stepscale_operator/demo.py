@@ -66,6 +66,12 @@ MAX_WIND_DOWN_S = 90.0
 # Prompt and output lengths of the load profile (tokens), kept small for the CPU engine.
 DEMO_PROMPT_TOKENS = 400.0
 DEMO_OUTPUT_TOKENS = 80.0
+# The overload phase's rate, as a multiple of what the engine serves flat out
+# (measured after its warm-up): past the SLO on any machine, and a backlog the
+# calm phase after it drains.
+OVERLOAD_FACTOR = 1.6
+# The overload rate assumed before the engine is measured (checking the input).
+NOMINAL_OVERLOAD_RPS = 12.0
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,9 +92,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overload-rps",
         type=positive_float,
-        default=12.0,
-        help="request rate of the overload phase, beyond what one CPU engine serves "
-        "within the SLO (default 12 req/s)",
+        default=None,
+        help=f"request rate of the overload phase (default: {OVERLOAD_FACTOR:g}x what the "
+        "engine serves flat out, measured after its warm-up)",
     )
     parser.add_argument(
         "--phases-s",
@@ -152,8 +158,19 @@ def _phases(text: str) -> tuple[float, float, float]:
     return (values[0], values[1], values[2])
 
 
-def demo_traffic(args: argparse.Namespace) -> Traffic:
-    """The requests to replay, clipped to what the tiny CPU engine can hold.
+def overload_rps(args: argparse.Namespace, capacity_rps: float | None) -> float:
+    """The overload phase's rate: ``--overload-rps``, else :data:`OVERLOAD_FACTOR`
+    times the engine's measured ``capacity_rps`` (nominal before it is measured)."""
+    if args.overload_rps is not None:
+        return float(args.overload_rps)
+    if capacity_rps is None:
+        return NOMINAL_OVERLOAD_RPS
+    return OVERLOAD_FACTOR * capacity_rps
+
+
+def demo_traffic(args: argparse.Namespace, capacity_rps: float | None = None) -> Traffic:
+    """The requests to replay, clipped to what the tiny CPU engine can hold;
+    ``capacity_rps`` is what the engine serves flat out, once measured.
 
     Raises :class:`InputError` for a trace that cannot be read.
     """
@@ -168,7 +185,7 @@ def demo_traffic(args: argparse.Namespace) -> Traffic:
         traffic = phased(
             [
                 (calm, args.calm_rps * args.rate_scale),
-                (overload, args.overload_rps * args.rate_scale),
+                (overload, overload_rps(args, capacity_rps) * args.rate_scale),
                 (after, args.calm_rps * args.rate_scale),
             ],
             mean_prompt=DEMO_PROMPT_TOKENS,
@@ -373,30 +390,36 @@ def _free_port() -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the embedded default; returns the exit status (bad input: :class:`InputError`)."""
-    traffic = demo_traffic(args)
-    schedule = [
-        (float(t), int(p), int(o))
-        for t, p, o in zip(
-            traffic.arrival_s, traffic.prompt_tokens, traffic.output_tokens, strict=True
-        )
-    ]
+    traffic = demo_traffic(args)  # bad input fails here, before an engine starts
     slo = SloTargets(args.ttft_ms, args.itl_ms)
     port = _free_port()
     engine = LocalEngine(fpm_port=port)
     spec = demo_spec(port, args.ttft_ms, args.itl_ms, args.refresh_s, args.stabilization_s)
     operator = DemoOperator(spec, engine.worker_id)
-    print(_introduction(traffic, args), flush=True)
+    print(_introduction(args), flush=True)
     log_file = args.engine_log.open("w") if args.engine_log else None
-    engine.start(schedule, log_file)
+    engine.start((int(DEMO_PROMPT_TOKENS), int(DEMO_OUTPUT_TOKENS)), log_file)
     status: dict[str, Any] = {}
     record = DemoRecord()
     try:
         began = time.monotonic()
-        engine.wait_ready()
-        print(f"engine ready after {time.monotonic() - began:.0f} s; replaying", flush=True)
+        capacity = engine.wait_ready()
+        traffic = demo_traffic(args, capacity)
+        print(
+            f"engine ready after {time.monotonic() - began:.0f} s; it serves {capacity:.1f} "
+            f"req/s flat out; replaying {_load_description(traffic, args, capacity)}",
+            flush=True,
+        )
         operator.pod_ready()
         time.sleep(1.5)  # the idle engine heartbeats: the subscription is live
-        engine.go()
+        engine.go(
+            [
+                (float(t), int(p), int(o))
+                for t, p, o in zip(
+                    traffic.arrival_s, traffic.prompt_tokens, traffic.output_tokens, strict=True
+                )
+            ]
+        )
         started = time.monotonic()
         while engine.running():
             time.sleep(args.refresh_s)
@@ -423,21 +446,29 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _introduction(traffic: Traffic, args: argparse.Namespace) -> str:
+def _load_description(traffic: Traffic, args: argparse.Namespace, capacity: float) -> str:
+    """The replayed load in words: the phases and their rates, or the trace."""
+    if args.trace is not None:
+        return f"{len(traffic)} requests of {traffic.name} x{args.rate_scale:g}"
+    calm, overload, after = args.phases_s
+    return (
+        f"{len(traffic)} requests: {calm:g} s calm at {args.calm_rps * args.rate_scale:g} "
+        f"req/s, {overload:g} s overload at "
+        f"{overload_rps(args, capacity) * args.rate_scale:.1f} req/s, {after:g} s calm"
+    )
+
+
+def _introduction(args: argparse.Namespace) -> str:
     """What the demo will do, and the settings it shortens, before it starts."""
     if args.trace is None:
         calm, overload, after = args.phases_s
-        load = (
-            f"{calm:g} s calm at {args.calm_rps * args.rate_scale:g} req/s, "
-            f"{overload:g} s overload at {args.overload_rps * args.rate_scale:g} req/s, "
-            f"{after:g} s calm"
-        )
+        shape = "the engine's flat-out rate" if args.overload_rps is None else "the given rate"
+        load = f"{calm:g} s calm, {overload:g} s overload (past {shape}), {after:g} s calm"
     else:
-        load = f"{traffic.name} x{args.rate_scale:g}"
+        load = f"the trace {args.trace} x{args.rate_scale:g}"
     return "\n".join(
         [
-            f"stepscale demo: {len(traffic)} requests ({load}); SLO TTFT {args.ttft_ms:g} ms, "
-            f"ITL {args.itl_ms:g} ms",
+            f"stepscale demo: {load}; SLO TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms",
             "  READY is the one real vLLM CPU engine; DESIRED is the operator core's "
             "recommendation, and REPLICAS follows it as in auto mode, but the replicas "
             "it adds are not real (they stay starting)",

@@ -3,15 +3,16 @@
 The embedded default of ``stepscale demo``: one engine stands in for one pod.
 The child builds a tiny random Llama (no downloads), starts vLLM in-process
 with the Stepscale plugin enabled through the environment (exactly as in a pod),
-waits for ``go`` on stdin, then submits each request of the schedule at its
-arrival time and steps the engine until every request has finished. Like a
-client, it times each request: a ``REQ`` line on stdout per finished request
-carries its arrival, TTFT and mean ITL (:class:`ClientLatency`), which the
-parent collects on a reader thread.
+warms up, measures how many requests of the demo's shape it serves per second
+flat out (printed with ``READY``), waits for ``go SCHEDULE.json`` on stdin, then
+submits each request of the schedule at its arrival time and steps the engine
+until every request has finished. Like a client, it times each request: a
+``REQ`` line on stdout per finished request carries its arrival, TTFT and mean
+ITL (:class:`ClientLatency`), which the parent collects on a reader thread.
 
 Run as a module for the child side::
 
-    python -m stepscale_operator.local_engine --schedule FILE.json
+    python -m stepscale_operator.local_engine --probe-prompt 400 --probe-output 80
 """
 
 from __future__ import annotations
@@ -75,11 +76,9 @@ class LocalEngine:
     _reader: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self, schedule: list[tuple[float, int, int]], log_file: IO[str] | None) -> None:
-        """Start the child with ``(arrival_s, prompt_tokens, output_tokens)`` requests."""
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-            json.dump(schedule, fh)
-            schedule_path = fh.name
+    def start(self, probe: tuple[int, int], log_file: IO[str] | None) -> None:
+        """Start the child; ``probe`` is the (prompt, output) tokens of the requests its
+        throughput is measured with."""
         env = dict(
             os.environ,
             STEPSCALE_FPM_PORT=str(self.fpm_port),
@@ -93,7 +92,15 @@ class LocalEngine:
             PYTHONUNBUFFERED="1",
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stepscale_operator.local_engine", "--schedule", schedule_path],
+            [
+                sys.executable,
+                "-m",
+                "stepscale_operator.local_engine",
+                "--probe-prompt",
+                str(probe[0]),
+                "--probe-output",
+                str(probe[1]),
+            ],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -101,21 +108,25 @@ class LocalEngine:
             text=True,
         )
 
-    def wait_ready(self) -> None:
-        """Block until the engine is built (raises if the child died)."""
+    def wait_ready(self) -> float:
+        """Block until the engine is built and measured; returns the requests per
+        second of the probe's shape it served flat out (raises if the child died)."""
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self.log.append(line)
-            if line.strip() == "READY":
-                return
+            if line.startswith("READY"):
+                return float(line.split()[1])
         raise RuntimeError("local engine exited before it was ready:\n" + "".join(self.log[-20:]))
 
-    def go(self) -> None:
-        """Start replaying the schedule; collect each finished request's latencies."""
+    def go(self, schedule: list[tuple[float, int, int]]) -> None:
+        """Replay ``(arrival_s, prompt_tokens, output_tokens)`` requests from now;
+        collect each finished request's latencies."""
         assert self.proc is not None and self.proc.stdin is not None
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+            json.dump(schedule, fh)
         self._reader = threading.Thread(target=self._read, name="local-engine-out", daemon=True)
         self._reader.start()
-        self.proc.stdin.write("go\n")
+        self.proc.stdin.write(f"go {fh.name}\n")
         self.proc.stdin.flush()
 
     def _read(self) -> None:
@@ -151,15 +162,14 @@ class LocalEngine:
                 self.proc.kill()
 
 
-def _replay(schedule_path: str) -> int:
-    """Child side: build the engine, wait for go, replay the schedule."""
+def _replay(probe_prompt: int, probe_output: int) -> int:
+    """Child side: build the engine, measure it, wait for go, replay the schedule."""
     import random
 
     from vllm import LLM, SamplingParams
 
     from stepscale_engine.tiny_model import build_tiny_llama
 
-    schedule = [tuple(r) for r in json.loads(Path(schedule_path).read_text())]
     model = build_tiny_llama(Path(tempfile.gettempdir()) / "stepscale-tiny-llama")
     llm = LLM(
         model=str(model),
@@ -171,8 +181,10 @@ def _replay(schedule_path: str) -> int:
     )
     engine = llm.llm_engine
     _warm_up(engine, SamplingParams)
-    print("READY", flush=True)
-    sys.stdin.readline()
+    capacity = _throughput(engine, SamplingParams, probe_prompt, probe_output)
+    print(f"READY {capacity:.4f}", flush=True)
+    schedule_path = sys.stdin.readline().split(maxsplit=1)[1].strip()
+    schedule = [tuple(r) for r in json.loads(Path(schedule_path).read_text())]
     rng = random.Random(0)
     start = time.monotonic()
     index = 0
@@ -218,6 +230,23 @@ def _warm_up(engine: Any, sampling_params: Any) -> None:
         engine.step()
 
 
+def _throughput(engine: Any, sampling_params: Any, prompt_len: int, output_len: int) -> float:
+    """Requests per second served flat out: a full batch of ``(prompt_len,
+    output_len)`` requests submitted at once. This machine's speed, not a constant,
+    decides what overloads it (a shared or faster machine differs by 2x and more)."""
+    n = int(ENGINE_ARGS["max_num_seqs"])
+    for k in range(n):
+        engine.add_request(
+            f"probe-{k}",
+            {"prompt_token_ids": [1 + (i * 13 + k) % 999 for i in range(prompt_len)]},
+            sampling_params(max_tokens=output_len, ignore_eos=True, temperature=0.0),
+        )
+    began = time.monotonic()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return n / max(time.monotonic() - began, 1e-3)
+
+
 def _time_outputs(
     outputs: list[Any], now: float, arrived: dict[str, float], first_token: dict[str, float]
 ) -> None:
@@ -238,9 +267,10 @@ def _time_outputs(
 def main() -> int:
     """Child entry point."""
     parser = argparse.ArgumentParser(description="replay a request schedule on a local engine")
-    parser.add_argument("--schedule", required=True)
+    parser.add_argument("--probe-prompt", type=int, required=True)
+    parser.add_argument("--probe-output", type=int, required=True)
     args = parser.parse_args()
-    return _replay(args.schedule)
+    return _replay(args.probe_prompt, args.probe_output)
 
 
 if __name__ == "__main__":
