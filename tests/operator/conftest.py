@@ -26,7 +26,7 @@ What kmock (0.8) does not emulate, and what these fixtures do about it:
 * no label selectors on list/watch (kopf filters pods by label itself);
 * no controllers: no Deployment controller, no kubelet, no garbage collection
   through owner references. :class:`FakeCluster` plays the Deployment controller
-  and the kubelet: it creates Ready pods with IPs on 127.0.0.x for the
+  and the kubelet: it creates Ready pods with IPs on 127.1.x.y for the
   Deployment's replicas, starts a publisher per pod and rank, replaces every pod
   when the pod template changes (a rollout, all at once rather than one by one)
   and writes the Deployment's ``status.replicas``/``readyReplicas``;
@@ -102,6 +102,17 @@ TEST_OPERATOR_ARGS = (
 )
 
 _resource_versions = itertools.count(1000)
+# Pod IPs are never reused within a test run: a publisher that one test leaves
+# bound (zmq closes listeners on its own I/O thread) cannot take the address of a
+# pod in the next test. 127.0.0.0/8 is all loopback; 127.0.0.x is left to tests
+# that name their own addresses.
+_pod_ips = itertools.count(0)
+
+
+def next_pod_ip() -> str:
+    """A loopback address no earlier pod of this test run had."""
+    k = next(_pod_ips)
+    return f"127.1.{k // 250}.{k % 250 + 2}"
 
 
 def request_call(request: Any) -> Call | None:
@@ -458,7 +469,6 @@ class FakeCluster:
     publishing: bool = True
     engines: dict[str, list[EngineStandIn]] = field(default_factory=dict)
     pods: dict[str, FakePod] = field(default_factory=dict)
-    _ips: itertools.count[int] = field(default_factory=lambda: itertools.count(2))
     _serial: itertools.count[int] = field(default_factory=itertools.count)
     _written_status: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -536,9 +546,9 @@ class FakeCluster:
         ip: str | None = None,
         engines: bool = True,
     ) -> str:
-        """Create a pod as the kubelet reports it: Running, Ready, with a 127.0.0.x IP,
+        """Create a pod as the kubelet reports it: Running, Ready, with a 127.1.x.y IP,
         and (``engines``, while publishing) an engine stand-in per FPM port (rank)."""
-        ip = ip or f"127.0.0.{next(self._ips)}"
+        ip = ip or next_pod_ip()
         self.pods[name] = FakePod(owner, ip, ready, template)
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         status = {
