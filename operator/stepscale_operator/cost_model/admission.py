@@ -37,7 +37,9 @@ is not mistaken for a stall. A persistently slower engine moves the centre; whil
 the median of the newest ``drift_window`` residuals is off by more than
 ``drift_floor`` (3%: the bias the model tolerates) the model is *drifting*
 and forgets at ``drift_half_life_passes`` without coverage floors, so it follows
-the change in a few thousand passes whatever the half-life.
+the change in a few thousand passes whatever the half-life. The same test per
+regime (:mod:`.regime_residuals`) catches a fit that is off in the rare prefill
+regime alone, which the median of all residuals cannot see.
 """
 
 from __future__ import annotations
@@ -154,8 +156,10 @@ class ResidualGate:
         machine) that became slower or faster moves it for good. While it is off by
         more than ``drift_floor`` (the bias the model tolerates, 3%) and ``drift_k``
         scales, the model forgets fast (see
-        :class:`~stepscale_operator.cost_model.regression.Regression`)."""
-        if self.length < self.window // 2 or not self.active:
+        :class:`~stepscale_operator.cost_model.regression.Regression`). Judged once
+        ``drift_window`` residuals are in (not half the long window: a model that
+        learned a slow start was 10% off for 500 passes more before it was judged)."""
+        if self.length < self.drift_window or not self.active:
             return False
         recent = self.recent_median()
         return abs(recent) > max(self.drift_k * self.scale, self.drift_floor)

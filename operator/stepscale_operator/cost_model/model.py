@@ -9,8 +9,9 @@ A pass goes through, top to bottom (:meth:`CostModel._learn_rows`):
 3. the row as least squares on ``log(time)``, linearised at the prediction
    (:meth:`CostModel._working_rows`): unbiased for the median step time;
 4. the regression (:mod:`.regression`): sufficient statistics per coverage bucket,
-   forgetting, the roofline NNLS solve;
-5. prequential quality (:mod:`.quality`) and per-stream tallies.
+   forgetting (faster for a regime the fit is off in: :mod:`.regime_residuals`),
+   the roofline NNLS solve;
+5. prequential quality (:mod:`.quality`), per-regime and per-stream residuals.
 
 Snapshots and restores are :mod:`.snapshot`'s.
 """
@@ -47,6 +48,7 @@ from stepscale_operator.cost_model.features import (
     sched_matrix,
 )
 from stepscale_operator.cost_model.quality import ModelQuality, PrequentialWindow
+from stepscale_operator.cost_model.regime_residuals import RegimeResiduals, regime_cells
 from stepscale_operator.cost_model.regression import Regression
 from stepscale_operator.cost_model.snapshot import restore, snapshot
 from stepscale_operator.load_types import BUDGET_FACTOR, BUDGET_FLOOR
@@ -91,6 +93,8 @@ class CostModel:
         max_streams: int = 4096,
         stream_half_life_passes: float = 200.0,
         ridge: float = 1e-7,
+        regime_window: int = 100,
+        regime_min_residuals: int = 50,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if half_life_passes <= 0:
@@ -140,6 +144,7 @@ class CostModel:
         self.streams = StreamTable(max_streams=max_streams)
         self._auto_counter = 0
         self.window = PrequentialWindow(quality_window)
+        self.regime_residuals = RegimeResiduals(regime_window, regime_min_residuals)
 
         self.samples = 0
         self.regime_samples = dict.fromkeys(REGIMES, 0)
@@ -311,6 +316,8 @@ class CostModel:
 
         # The regression.
         reg.drifting = gate.drifting()
+        # A regime the fit is off in (rare prefill passes, say) forgets fast on its own.
+        reg.stale = self.regime_residuals.stale_buckets(gate.drift_floor)
         target, w = self._working_rows(weight, y, pred, have_pred & ~self._uncovered(sched))
         reg.accumulate(x, target, w, accepted, buckets, reg.learning_side(x, regressors))
         self.ledger.raise_budgets(used, accepted, slot, records)
@@ -327,6 +334,7 @@ class CostModel:
         informative = have_pred & ~bad_input & ~quarantined
         if informative.any():
             gate.push(log_res[informative])
+            self.regime_residuals.push(regime_cells(sched[informative]), log_res[informative])
         if ready:
             self.window.push(y[have_pred & learn], pred[have_pred & learn])
         self.ledger.tally(rel, log_res, have_pred & ~bad_input, learn, accepted, slot, records)
@@ -358,6 +366,7 @@ class CostModel:
             old.ridge,
         )
         self.gate = self.gate.emptied()
+        self.regime_residuals = self.regime_residuals.emptied()
         self.samples = 0
         self.regime_samples = dict.fromkeys(REGIMES, 0)
         for _, record in self.ledger.items():

@@ -16,7 +16,9 @@ so the model follows a changed engine, but a bucket never decays below
 ``bucket_floor`` effective samples from time alone: a flood of decode-only
 passes cannot wash out what the prefill buckets know. Within a bucket newer
 passes also supersede older ones (``bucket_half_life``, in that bucket's own
-passes).
+passes). Buckets of a regime the fit is off in (``stale``, set by the caller from
+:mod:`.regime_residuals`) forget at the drift half-life with their floors
+suspended, as every bucket does while the whole model drifts.
 
 The max, online. Given which side of the ``max`` each pass is on, the model is
 linear in its coefficients: every coefficient's regressor is a fixed linear
@@ -229,6 +231,9 @@ class Regression:
         self._floor[PRIOR_BUCKET] = 0.0  # a warm start fades out completely
         self.sample_clock = 0.0
         self.drifting = False  # set by the caller: forget fast, suspend the floors
+        # Set by the caller too: buckets of a regime the fit is off in (the others are
+        # not); they forget as fast, floors suspended, while the clock runs as usual.
+        self.stale = np.zeros(nb, dtype=bool)
 
         self.coef: FloatArray | None = None  # scaled coefficient basis
         self.std_err: FloatArray = np.full(p, np.nan)  # scaled coefficient basis
@@ -342,10 +347,13 @@ class Regression:
         """Bring buckets' statistics to clock ``t_now`` (lazy forgetting with a floor)."""
         age = t_now - self._bucket_clock[buckets]
         count = self.count[buckets]
-        factor = self._decay**age
+        stale = self.stale[buckets] & (not self.drifting)  # drifting: the clock is fast already
+        speed = max(1.0, self.half_life_passes / self.drift_half_life_passes)
+        factor = self._decay ** (age * np.where(stale, speed, 1.0))
         # Never let time alone push a bucket below its floor of effective samples, unless
-        # the engine is drifting: then what the floors hold is stale, not coverage.
-        floor = self._floor[buckets] * (0.0 if self.drifting else 1.0)
+        # the engine is drifting (or its regime is stale): then what the floors hold is
+        # stale, not coverage.
+        floor = self._floor[buckets] * np.where(self.drifting | stale, 0.0, 1.0)
         floor_factor = np.minimum(1.0, floor / np.maximum(count, 1e-300))
         factor = np.where(count > 0, np.maximum(factor, floor_factor), 1.0)
         self._scale_buckets(buckets, factor)
