@@ -34,6 +34,12 @@ method, over all scored passes and per regime: ``prefill`` (prefill-bearing),
 ``decode`` (decode-only) and ``small_decode`` (decode-only, 1-3 requests); target
 within +-3%.
 
+A hindsight diagnostic (:func:`slow_moments`): the share of scored passes run
+while the machine was slow (the decode-only passes around them > 1.5x their
+prediction at the median) and the model's median signed error per regime outside
+those moments. A stall run falls on whichever regime was running, so a regime's
+median over all passes also measures the machine.
+
 Reported per recording, with the recorder's machine load when its
 ``<config>.meta.json`` is there: ``all``: model and baseline over every scored
 pass (both predict it; the first ``WARMUP_SKIP`` passes, at most a fifth, are not
@@ -335,6 +341,31 @@ def regime_masks(msgs: list[ForwardPassMetrics]) -> dict[str, npt.NDArray[np.boo
     return {"prefill": prefill, "decode": decode, "small_decode": decode & (decodes <= 3)}
 
 
+def slow_moments(
+    msgs: list[ForwardPassMetrics], pred: FloatArray, half_width: int = 10, factor: float = 1.5
+) -> npt.NDArray[np.bool_]:
+    """Hindsight diagnostic: passes run while the *machine* was slow.
+
+    A pass is in a slow moment when the decode-only passes nearest it in time (the
+    ``2 * half_width`` around it) ran at the median more than ``factor`` times
+    slower than ``pred`` predicted them: every regime was slow then, not one. Used
+    only to report the median signed error outside such moments beside the one over
+    all passes (stall runs on a shared CPU fall on whichever regime was running).
+    """
+    regimes = regime_masks(msgs)
+    y = np.array([m.wall_time for m in msgs])
+    dec = np.flatnonzero(regimes["decode"] & np.isfinite(pred))
+    out = np.zeros(len(msgs), dtype=bool)
+    if dec.shape[0] < 2 * half_width:
+        return out
+    log_res = np.log(y[dec] / pred[dec])
+    pos = np.searchsorted(dec, np.arange(len(msgs)))
+    for i in range(len(msgs)):
+        lo = max(0, pos[i] - half_width)
+        out[i] = float(np.median(log_res[lo : lo + 2 * half_width])) > math.log(factor)
+    return out
+
+
 def signed_by_regime(
     y: FloatArray, p: FloatArray, sel: npt.NDArray[np.bool_], regimes: dict[str, Any]
 ) -> dict[str, float | None]:
@@ -382,6 +413,15 @@ def score(
         },
         "regime_passes": {name: int((common & mask).sum()) for name, mask in regimes.items()},
     }
+    slow = slow_moments(passes, methods["model"])
+    result["slow_moment_share"] = float(slow[common].mean()) if common.any() else math.nan
+    result["slow_moment_share_by_regime"] = {
+        name: float(slow[common & mask].mean()) if (common & mask).any() else None
+        for name, mask in regimes.items()
+    }
+    result["signed_by_regime_outside_slow_moments"] = signed_by_regime(
+        y, methods["model"], common & ~slow, regimes
+    )
     model_mape = result["all"]["model"]["mape"]
     result["model_mape_over_baseline"] = model_mape / result["all"]["baseline"]["mape"]
     result["model_mape_over_ew_ols"] = model_mape / result["all"]["ew_ols"]["mape"]
@@ -480,6 +520,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
         for method, by in r["signed_by_regime"].items():
             txt = "  ".join(f"{k} {pct(v).strip()}" for k, v in by.items())
             print(f"  median signed error by regime, {method:<13}{txt}")
+        by = r["signed_by_regime_outside_slow_moments"]
+        txt = "  ".join(f"{k} {pct(v).strip()}" for k, v in by.items())
+        share = "  ".join(
+            f"{k} {v:.0%}" for k, v in r["slow_moment_share_by_regime"].items() if v is not None
+        )
+        print(f"  passes in slow moments (hindsight): all {r['slow_moment_share']:.0%}  {share}")
+        print(f"  model's median signed error outside slow moments: {txt}")
         print(f"  {r['final_formula']}")
 
 

@@ -221,3 +221,29 @@ def test_baseline_predictions_at_or_below_zero_are_scored_not_dropped() -> None:
     preds = bench.baseline_predictions(msgs)
     assert preds[-1] == bench.MIN_PREDICTION_S
     assert np.isfinite(preds[3:]).all()  # NaN only before its first fit (3 samples)
+
+
+def test_slow_moments_mark_passes_among_slow_decode_passes() -> None:
+    """The bench's hindsight diagnostic: a prefill pass run while the decode passes
+    around it were 3x their prediction is in a slow moment; one among decode passes
+    on time is not, however far off its own prediction is."""
+    bench = _bench()
+    msgs = []
+    for i in range(200):
+        prefill = i % 10 == 5
+        slow_machine = 100 <= i < 160
+        sched = ScheduledRequestMetrics(
+            num_prefill_requests=int(prefill),
+            sum_prefill_tokens=100 if prefill else 0,
+            num_decode_requests=4,
+        )
+        wall = (3.0 if slow_machine else 1.0) * (5.0 if prefill else 1.0)
+        msgs.append(
+            ForwardPassMetrics(
+                worker_id="w", counter_id=i, wall_time=wall, scheduled_requests=sched
+            )
+        )
+    pred = np.ones(200)  # right for decode passes on time; 5x low for every prefill pass
+    slow = bench.slow_moments(msgs, pred)
+    assert slow[125] and slow[135] and slow[115]
+    assert not slow[25] and not slow[185]
