@@ -21,6 +21,7 @@ EW-OLS and the non-local noise floor below.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -57,6 +58,12 @@ def _bench() -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@functools.cache
+def _score_recording(path: Path) -> dict[str, Any]:
+    """The bench's figures for one kept recording (computed once per test run)."""
+    return dict(_bench().score(_bench().load_recording(path)))
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +113,26 @@ def test_every_recording_at_least_as_accurate_as_ew_ols_and_near_the_nonlocal_fl
     """On every kept recording, prequentially, over the same passes: MAPE no worse than
     a plain exponentially weighted OLS (1,000-pass half-life), and within 1.25x of the
     non-local noise floor (identical work done at other moments)."""
-    result = _bench().score(_bench().load_recording(path))
+    result = _score_recording(path)
     assert result["all"]["model"]["n"] > 1000
     assert result["model_mape_over_ew_ols"] <= 1.0
     assert result["model_mape_over_noise_floor_nonlocal"] <= MAX_MAPE_OVER_FLOOR
+
+
+@pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.name.split(".")[0])
+def test_every_recording_unbiased_overall_and_on_decode_passes(path: Path) -> None:
+    """Median signed error within 3.5% overall, on decode-only passes and on decode
+    batches of 1-3 on every kept recording (measured when written: within 3.1%; the
+    version before per-regime forgetting had +3.7% on prefix-shared decode 1-3).
+    Prefill-bearing passes are held to 25% only (-24% to +14% when written): stall
+    runs that fell on prefill-heavy phases and a shape the features miss (see the
+    README's cost-model figures and the bench's slow-moment diagnostic)."""
+    result = _score_recording(path)
+    by_regime = result["signed_by_regime"]["model"]
+    assert abs(result["all"]["model"]["median_signed"]) < 0.035, result["all"]["model"]
+    assert abs(by_regime["decode"]) < 0.035, by_regime
+    assert abs(by_regime["small_decode"]) < 0.035, by_regime
+    assert abs(by_regime["prefill"]) < 0.25, by_regime
 
 
 def test_model_is_within_stated_factor_of_the_noise_floor(scored: dict[str, Any]) -> None:
