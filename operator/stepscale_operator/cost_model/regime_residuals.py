@@ -95,10 +95,3 @@ class RegimeResiduals:
         """Per coverage bucket (the prior bucket last, never stale): in a stale cell."""
         stale = self.stale_cells(tolerance)
         return np.asarray((BUCKET_CELLS >= 0) & stale[np.maximum(BUCKET_CELLS, 0)])
-
-    def to_dict(self) -> dict[str, float | None]:
-        """Each cell's recent median log residual (None before ``min_residuals``)."""
-        return {
-            name: (None if np.isnan(v) else float(v))
-            for name, v in zip(CELLS, self.median, strict=True)
-        }
