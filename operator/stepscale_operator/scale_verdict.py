@@ -10,6 +10,7 @@ the look-ahead's needs. Pure and deterministic.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from stepscale_operator.closed_loop import Feedback
@@ -39,12 +40,26 @@ class StabilizationWindow:
         self.policy = policy
         self._history: list[_Recommendation] = []
         self.first_decision_time: float | None = None
+        self._fleet: tuple[int, int] | None = None  # (ready, starting) last seen
+        self._fleet_since = 0.0
 
     def start(self, now: float) -> None:
         """The first decision on the model with fresh data (the queue rule and stale
         holds never justify scale-down); later calls change nothing."""
         if self.first_decision_time is None:
             self.first_decision_time = now
+
+    def observe_fleet(self, now: float, fleet: FleetNow) -> None:
+        """Note the fleet each decision sees: a change restarts its settling time."""
+        key = (fleet.ready, fleet.starting)
+        if key != self._fleet:
+            # The fleet as first seen was not changed by this planner: settled.
+            self._fleet_since = now if self._fleet is not None else -math.inf
+            self._fleet = key
+
+    def fleet_unchanged_s(self, now: float) -> float:
+        """How long the fleet has been as it is now."""
+        return now - self._fleet_since
 
     def remember(self, now: float, replicas: int) -> None:
         """One decision's recommendation; older ones than the window are dropped."""
@@ -126,7 +141,9 @@ def scale_down_or_hold(
     window.remember(now, max(floors.measured_floor + fleet.timed_out, lo))
     stabilised = window.highest()
     window_covered = window.covered(now)
-    if candidate < total and window_covered and stabilised < total:
+    unchanged_s = window.fleet_unchanged_s(now)
+    settled = unchanged_s >= policy.scale_down_settle_s
+    if candidate < total and window_covered and stabilised < total and settled:
         desired = max(stabilised, candidate, total - policy.scale_down_step, lo)
         n_after = desired - fleet.timed_out
         why = (
@@ -139,6 +156,12 @@ def scale_down_or_hold(
     held_by_burst = floors.load_floor < total <= bursts.floor + fleet.timed_out
     if held_by_burst:
         why = f"hold: {bursts.reason}"
+    elif candidate < total and window_covered and stabilised < total:
+        why = (
+            f"hold: {candidate} would do, but the fleet changed {unchanged_s:.0f}s ago; "
+            f"the next step waits {policy.scale_down_settle_s:.0f}s for the load at this "
+            "size to be measured"
+        )
     elif candidate < total:
         why = (
             f"hold: {candidate} would do, but scale-down waits for the "

@@ -581,6 +581,31 @@ def test_scale_down_reason_is_worded_from_the_actual_counts() -> None:
     assert "/9" not in d.reason
 
 
+def test_each_scale_down_step_waits_for_the_load_at_the_new_size() -> None:
+    # A load far below the fleet, decided every 5 s; the window alone would allow a
+    # step at every decision (8 -> 4 in 15 s on the bursts scenario, as a burst came).
+    def descent(settle_s: float) -> list[tuple[float, int, str]]:
+        policy = PlannerPolicy(
+            initial_hold_s=0.0, scale_down_stabilization_s=0.0, scale_down_settle_s=settle_s
+        )
+        planner, total, steps = Planner(policy), 8, []
+        for k in range(19):
+            t = 5.0 * k
+            d = planner.decide(inputs_for(load_of(5.0), total, now=t), now=t)
+            steps.append((t, d.desired_replicas, d.reason))
+            total = d.desired_replicas
+        return steps
+
+    paced = descent(30.0)
+    downs = [t for (t, n, _), (_, before, _) in zip(paced[1:], paced, strict=False) if n < before]
+    assert paced[0][1] == 7  # the fleet as first seen is settled: the first step is at once
+    # Then one step per 30 s of the new size measured (the change is seen at 5 s).
+    assert downs == [35.0, 70.0]
+    assert "waits 30s for the load at this size" in paced[1][2]
+    unpaced = descent(0.0)
+    assert [n for _, n, _ in unpaced[:4]] == [7, 6, 5, 4]
+
+
 def test_ttft_rises_steeply_as_prefill_utilisation_nears_one() -> None:
     per_rate = [2.0, 6.0, 10.0, 14.0, 18.0, 22.0, 25.0, 28.0, 40.0]
     preds = [
@@ -699,8 +724,12 @@ def test_scale_down_judges_survivors_on_the_usual_mix_not_a_passing_light_one() 
 
 
 def test_the_burst_memory_keeps_the_bursts_peak_not_an_earlier_higher_need() -> None:
+    # The descent's pacing (scale_down_settle_s) has its own test: the burst rules alone.
     policy = PlannerPolicy(
-        initial_hold_s=0.0, scale_down_stabilization_s=60.0, burst_memory_s=900.0
+        initial_hold_s=0.0,
+        scale_down_stabilization_s=60.0,
+        scale_down_settle_s=0.0,
+        burst_memory_s=900.0,
     )
     planner = Planner(policy)
     high, low, burst = load_of(150.0), load_of(20.0), load_of(100.0)
@@ -766,7 +795,9 @@ def _bursts_every(
 def test_bursts_at_a_steady_period_are_prepared_for_and_let_go_between() -> None:
     # Every 20 minutes: longer than the burst memory (15 minutes), so the memory
     # alone meets each burst with the base fleet.
-    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    policy = PlannerPolicy(
+        initial_hold_s=0.0, scale_down_stabilization_s=60.0, scale_down_settle_s=0.0
+    )
     base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
     assert peak >= base + 3
     learning = {t: (n, why) for t, n, why in _bursts_every(Planner(policy), 1200.0, 4, 4000.0)}
@@ -792,7 +823,9 @@ def test_bursts_at_a_steady_period_are_prepared_for_and_let_go_between() -> None
 
 
 def test_a_recurring_burst_that_does_not_come_is_not_waited_for() -> None:
-    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    policy = PlannerPolicy(
+        initial_hold_s=0.0, scale_down_stabilization_s=60.0, scale_down_settle_s=0.0
+    )
     base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
     # Three bursts 1200 s apart; the fourth, due at 3900, never comes.
     run = {t: n for t, n, _ in _bursts_every(Planner(policy), 1200.0, 3, 4400.0)}
@@ -803,7 +836,9 @@ def test_a_recurring_burst_that_does_not_come_is_not_waited_for() -> None:
 
 
 def test_irregular_bursts_break_the_pattern() -> None:
-    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    policy = PlannerPolicy(
+        initial_hold_s=0.0, scale_down_stabilization_s=60.0, scale_down_settle_s=0.0
+    )
     base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
     planner = Planner(policy)
     total = base
