@@ -25,6 +25,9 @@ class PlannerPolicy:
     # the stabilization window alone let the bursts scenario fall from 8 replicas to
     # 4 in 15 s, just as a burst arrived (70% attainment in its first 7 minutes).
     scale_down_settle_s: float = 30.0
+    # ... a pace of at most this share of the fleet per settling time (at least one
+    # step): a large fleet's one-replica steps come sooner (0: one step per window).
+    scale_down_share: float = 0.1
     # Scale-down waits until every recommendation of this window allows it. HPA's
     # default is 300 s, for a rule that sees one metric; here each recommendation
     # already requires the survivors within the SLO less margin plus hysteresis on

@@ -126,6 +126,20 @@ def scale_up(
     return Verdict(desired, why, "planned", desired - fleet.timed_out)
 
 
+def scale_down_pause_s(policy: PlannerPolicy, total: int) -> float:
+    """How long the fleet must be unchanged before the next scale-down step: at most
+    ``scale_down_share`` of the fleet per ``scale_down_settle_s``, the step at least.
+
+    A small fleet waits the whole settling time after each step (one replica of 8 is
+    an eighth of its capacity); a large one may take its one-replica steps sooner,
+    as each is a small share of it.
+    """
+    if total <= 0 or policy.scale_down_share <= 0.0:
+        return policy.scale_down_settle_s
+    per_window = policy.scale_down_share * total
+    return policy.scale_down_settle_s * min(1.0, policy.scale_down_step / per_window)
+
+
 def scale_down_or_hold(
     policy: PlannerPolicy,
     window: StabilizationWindow,
@@ -142,7 +156,8 @@ def scale_down_or_hold(
     stabilised = window.highest()
     window_covered = window.covered(now)
     unchanged_s = window.fleet_unchanged_s(now)
-    settled = unchanged_s >= policy.scale_down_settle_s
+    settle_s = scale_down_pause_s(policy, total)
+    settled = unchanged_s >= settle_s
     if candidate < total and window_covered and stabilised < total and settled:
         desired = max(stabilised, candidate, total - policy.scale_down_step, lo)
         n_after = desired - fleet.timed_out
@@ -159,7 +174,7 @@ def scale_down_or_hold(
     elif candidate < total and window_covered and stabilised < total:
         why = (
             f"hold: {candidate} would do, but the fleet changed {unchanged_s:.0f}s ago; "
-            f"the next step waits {policy.scale_down_settle_s:.0f}s for the load at this "
+            f"the next step waits {settle_s:.0f}s for the load at this "
             "size to be measured"
         )
     elif candidate < total:

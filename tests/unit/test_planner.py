@@ -606,6 +606,17 @@ def test_each_scale_down_step_waits_for_the_load_at_the_new_size() -> None:
     assert [n for _, n, _ in unpaced[:4]] == [7, 6, 5, 4]
 
 
+def test_scale_down_paces_a_share_of_the_fleet_per_settling_time() -> None:
+    from stepscale_operator.scale_verdict import scale_down_pause_s
+
+    policy = PlannerPolicy(scale_down_settle_s=30.0, scale_down_share=0.1)
+    # A small fleet waits the whole settling time after each one-replica step ...
+    assert scale_down_pause_s(policy, 8) == 30.0
+    # ... a large one takes its steps at 10% of the fleet per 30 s.
+    assert scale_down_pause_s(policy, 50) == pytest.approx(6.0)
+    assert scale_down_pause_s(replace(policy, scale_down_share=0.0), 50) == 30.0
+
+
 def test_ttft_rises_steeply_as_prefill_utilisation_nears_one() -> None:
     per_rate = [2.0, 6.0, 10.0, 14.0, 18.0, 22.0, 25.0, 28.0, 40.0]
     preds = [
