@@ -26,7 +26,8 @@ Pure and deterministic: measurements in, a :class:`Feedback` out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from stepscale_operator.latency_model import LatencyPrediction, SloTargets
 from stepscale_operator.load_types import LoadEstimate
@@ -58,6 +59,33 @@ class Feedback:
             "measured_miss_s": self.missing_for_s,
             "measured_miss_floor": self.floor,
         }
+
+
+NO_FEEDBACK = Feedback(1.0, 1.0, None, None, None, None, 0.0, 0, "")
+"""The closed loop off (or no replica serving): no correction, no floor."""
+
+
+def with_correction(
+    predict: Callable[[int, LoadEstimate], LatencyPrediction], feedback: Feedback
+) -> Callable[[int, LoadEstimate], LatencyPrediction]:
+    """``predict`` with the feedback's learned corrections applied to every feasible answer."""
+    itl_c, ttft_c = feedback.itl_correction, feedback.ttft_correction
+    if itl_c == 1.0 and ttft_c == 1.0:
+        return predict
+
+    def corrected(n: int, load: LoadEstimate) -> LatencyPrediction:
+        pred = predict(n, load)
+        if not pred.feasible:
+            return pred
+        return replace(
+            pred,
+            ttft_ms=pred.ttft_ms * ttft_c,
+            itl_ms=pred.itl_ms * itl_c,
+            ttft_mean_ms=pred.ttft_mean_ms * ttft_c,
+            itl_mean_ms=pred.itl_mean_ms * itl_c,
+        )
+
+    return corrected
 
 
 def _measured(value: float) -> float | None:

@@ -10,10 +10,70 @@ what status and logs show of it (the keys ``Decision.inputs`` has always had).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from stepscale_operator.burst_recurrence import RecurringBurst
+from stepscale_operator.latency_model import (
+    EngineLimits,
+    LatencyPrediction,
+    SloTargets,
+    StepTimePredictor,
+)
 from stepscale_operator.load_types import LoadEstimate
+
+
+@dataclass(frozen=True)
+class ReplicaCounts:
+    """Replicas serving now, and the start times of those still starting."""
+
+    ready: int
+    starting_since: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlannerInputs:
+    """Everything one decision depends on."""
+
+    predictor: StepTimePredictor
+    model_ready: bool
+    model_mape: float | None
+    load: LoadEstimate | None
+    load_time: float | None  # when ``load`` was computed (same clock as ``now``)
+    replicas: ReplicaCounts
+    slo: SloTargets
+    min_replicas: int
+    max_replicas: int
+    engine: EngineLimits
+    pod_startup_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One planner decision, explainable from ``inputs``.
+
+    ``desired_replicas`` is what the planner recommends; ``apply`` is False when
+    nothing should change (a hold, or advisory mode).
+    """
+
+    time: float
+    desired_replicas: int
+    current_replicas: int  # ready + starting, as the Deployment counts them
+    action: str  # "scale_up", "scale_down" or "hold"
+    apply: bool
+    reason: str
+    confidence: float
+    # At the ready replicas and at the desired count (less pods stuck starting), both
+    # on the load named by ``inputs["predictions_load"]`` ("planned": the forecast
+    # a scale-up or hold is judged on; "measured": what a scale-down is judged on).
+    # Zero replicas serve nothing: an infeasible "no_replicas" prediction. None when
+    # no load was judged (stale data, no cost model, a clamp to the bounds).
+    predicted_current: LatencyPrediction | None
+    predicted_desired: LatencyPrediction | None
+    inputs: dict[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form for status, events and logs."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)

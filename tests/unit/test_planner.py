@@ -581,6 +581,42 @@ def test_scale_down_reason_is_worded_from_the_actual_counts() -> None:
     assert "/9" not in d.reason
 
 
+def test_each_scale_down_step_waits_for_the_load_at_the_new_size() -> None:
+    # A load far below the fleet, decided every 5 s; the window alone would allow a
+    # step at every decision (8 -> 4 in 15 s on the bursts scenario, as a burst came).
+    def descent(settle_s: float) -> list[tuple[float, int, str]]:
+        policy = PlannerPolicy(
+            initial_hold_s=0.0, scale_down_stabilization_s=0.0, scale_down_settle_s=settle_s
+        )
+        planner, total, steps = Planner(policy), 8, []
+        for k in range(19):
+            t = 5.0 * k
+            d = planner.decide(inputs_for(load_of(5.0), total, now=t), now=t)
+            steps.append((t, d.desired_replicas, d.reason))
+            total = d.desired_replicas
+        return steps
+
+    paced = descent(30.0)
+    downs = [t for (t, n, _), (_, before, _) in zip(paced[1:], paced, strict=False) if n < before]
+    assert paced[0][1] == 7  # the fleet as first seen is settled: the first step is at once
+    # Then one step per 30 s of the new size measured (the change is seen at 5 s).
+    assert downs == [35.0, 70.0]
+    assert "waits 30s for the load at this size" in paced[1][2]
+    unpaced = descent(0.0)
+    assert [n for _, n, _ in unpaced[:4]] == [7, 6, 5, 4]
+
+
+def test_scale_down_paces_a_share_of_the_fleet_per_settling_time() -> None:
+    from stepscale_operator.scale_verdict import scale_down_pause_s
+
+    policy = PlannerPolicy(scale_down_settle_s=30.0, scale_down_share=0.1)
+    # A small fleet waits the whole settling time after each one-replica step ...
+    assert scale_down_pause_s(policy, 8) == 30.0
+    # ... a large one takes its steps at 10% of the fleet per 30 s.
+    assert scale_down_pause_s(policy, 50) == pytest.approx(6.0)
+    assert scale_down_pause_s(replace(policy, scale_down_share=0.0), 50) == 30.0
+
+
 def test_ttft_rises_steeply_as_prefill_utilisation_nears_one() -> None:
     per_rate = [2.0, 6.0, 10.0, 14.0, 18.0, 22.0, 25.0, 28.0, 40.0]
     preds = [
@@ -699,8 +735,12 @@ def test_scale_down_judges_survivors_on_the_usual_mix_not_a_passing_light_one() 
 
 
 def test_the_burst_memory_keeps_the_bursts_peak_not_an_earlier_higher_need() -> None:
+    # The descent's pacing (scale_down_settle_s) has its own test: the burst rules alone.
     policy = PlannerPolicy(
-        initial_hold_s=0.0, scale_down_stabilization_s=60.0, burst_memory_s=900.0
+        initial_hold_s=0.0,
+        scale_down_stabilization_s=60.0,
+        scale_down_settle_s=0.0,
+        burst_memory_s=900.0,
     )
     planner = Planner(policy)
     high, low, burst = load_of(150.0), load_of(20.0), load_of(100.0)
@@ -766,7 +806,9 @@ def _bursts_every(
 def test_bursts_at_a_steady_period_are_prepared_for_and_let_go_between() -> None:
     # Every 20 minutes: longer than the burst memory (15 minutes), so the memory
     # alone meets each burst with the base fleet.
-    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    policy = PlannerPolicy(
+        initial_hold_s=0.0, scale_down_stabilization_s=60.0, scale_down_settle_s=0.0
+    )
     base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
     assert peak >= base + 3
     learning = {t: (n, why) for t, n, why in _bursts_every(Planner(policy), 1200.0, 4, 4000.0)}
@@ -792,7 +834,9 @@ def test_bursts_at_a_steady_period_are_prepared_for_and_let_go_between() -> None
 
 
 def test_a_recurring_burst_that_does_not_come_is_not_waited_for() -> None:
-    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    policy = PlannerPolicy(
+        initial_hold_s=0.0, scale_down_stabilization_s=60.0, scale_down_settle_s=0.0
+    )
     base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
     # Three bursts 1200 s apart; the fourth, due at 3900, never comes.
     run = {t: n for t, n, _ in _bursts_every(Planner(policy), 1200.0, 3, 4400.0)}
@@ -803,7 +847,9 @@ def test_a_recurring_burst_that_does_not_come_is_not_waited_for() -> None:
 
 
 def test_irregular_bursts_break_the_pattern() -> None:
-    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    policy = PlannerPolicy(
+        initial_hold_s=0.0, scale_down_stabilization_s=60.0, scale_down_settle_s=0.0
+    )
     base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
     planner = Planner(policy)
     total = base
@@ -909,6 +955,31 @@ def test_a_latency_floor_above_the_slo_plans_for_the_best_any_count_gets() -> No
     assert d.desired_replicas < 64 and "out of reach at any count" in d.reason
     need = d.inputs["needed_replicas"]
     assert isinstance(need, int) and need < 32  # within 10% of the best ITL, not all 64
+
+
+def test_a_ttft_tail_that_only_vanishing_queues_meet_is_planned_by_its_misses() -> None:
+    # Prompts whose prefill nearly fills the TTFT budget: the p99 meets the SLO only
+    # at 60 replicas (no queueing at all), but past 9 each replica saves fewer than
+    # half a point of requests from missing it.
+    from stepscale_operator.capacity_need import slo_within_reach
+    from stepscale_operator.latency_model import LatencyPrediction
+
+    slo = SloTargets(ttft_ms=1000.0, itl_ms=40.0)
+
+    def predict(n: int, load: LoadEstimate) -> LatencyPrediction:
+        ttft = 850.0 if n >= 60 else 1200.0
+        miss = 0.001 + 0.05 / n
+        return LatencyPrediction(n, ttft, 20.0, 300.0, 10.0, 10.0, 4.0, 0.1, "", 0.0, miss)
+
+    def smallest(policy: PlannerPolicy) -> int:
+        meets, words = slo_within_reach(policy, slo, load_of(20.0), 0.1, 64, predict)
+        assert words == ""  # reachable: no out-of-reach caveat
+        return next(n for n in range(1, 65) if meets(predict(n, load_of(20.0)), 0.1))
+
+    # Within half a point of the best (64: 0.18% miss) from 9 replicas on.
+    assert smallest(PlannerPolicy()) == 9
+    # Without that allowance the tail is chased to the count that meets the p99.
+    assert smallest(PlannerPolicy(out_of_reach_miss_share=0.0)) == 60
 
 
 # -- closed loop --------------------------------------------------------------------

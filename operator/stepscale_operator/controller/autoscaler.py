@@ -118,6 +118,8 @@ def planner_policy(spec: VllmDeploymentSpec) -> PlannerPolicy:
     return PlannerPolicy(
         max_surge=a.max_surge,
         scale_down_step=a.scale_down_max_step,
+        # Each scale-down step waits for one load window at the new size.
+        scale_down_settle_s=a.load_window_s,
         scale_down_stabilization_s=silence_safe_window(a),
         initial_hold_s=a.scale_down_initial_hold_s,
         burst_memory_s=a.burst_memory_s,
