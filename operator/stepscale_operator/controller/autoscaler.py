@@ -65,9 +65,14 @@ log = logging.getLogger(__name__)
 # oldest queued batch is this old (seconds), whichever comes first.
 INGEST_AT_MESSAGES = 8192
 INGEST_AFTER_S = 2.0
-# The subscriber's thread lets messages gather this long between receives (a receive
-# costs about the same for one message or a thousand; decisions come every seconds).
-RECEIVE_COALESCE_S = 0.1
+# The subscriber's thread lets messages gather this long between receives: a receive
+# costs about the same for one message or a thousand, and each connection's queue
+# that a receive empties costs a wake-up when its next message comes. Queued
+# batches reach the model every INGEST_AFTER_S anyway, so this delays nothing the
+# planner sees (0.1 s cost 30% more CPU per message than 0.5 s at 5k msg/s over
+# 1,000 connections; benchmarks/bench_operator_ingest.py). One engine sends 25-50
+# passes in 0.5 s, far below the subscriber's per-connection high-water mark.
+RECEIVE_COALESCE_S = 0.5
 # Per-stream counts that the operator's counters total (stream_state.StreamState fields).
 COUNTED_FIELDS = ("messages", "passes", "lost", "restarts")
 
