@@ -16,9 +16,10 @@ What it builds, for each offered rate, in a fresh operator process:
 * ``--publishers`` publisher processes (separate processes) that bind every
   endpoint (one PUB socket each) and send real FPM frames
   (``stepscale_engine.wire``, encoded once per endpoint with the counter patched
-  per send) round-robin over the endpoints at the offered rate. With ``--pin``
-  (the default where there are two or more CPUs) the operator runs on the first
-  CPU and the publishers on the others.
+  per send) round-robin over the endpoints at the offered rate, then one
+  heartbeat per endpoint (as an idle engine sends), which shows the operator
+  what was lost at the end. With ``--pin`` (and two or more CPUs) the operator
+  runs on the first CPU and the publishers on the others.
 
 The operator process measures, over the window after ``--warmup`` seconds: its
 own CPU time (``time.process_time``: every thread of the process, ZMQ's I/O
@@ -102,24 +103,30 @@ def pod_object(name: str, ip: str) -> dict[str, Any]:
 _COUNTER_SENTINEL = 0xF0E1D2C3B4A59687  # > 2**63: msgpack writes it as uint64 (0xcf)
 
 
-def frame_template(worker: str, dp_rank: int) -> tuple[bytearray, int]:
+def frame_template(worker: str, dp_rank: int, heartbeat: bool = False) -> tuple[bytearray, int]:
     """An encoded FPM payload whose ``counter_id`` is a fixed-width uint64, and where
-    its 8 bytes are: each send patches them (a valid, if not minimal, msgpack)."""
-    sched = wire.ScheduledRequestMetrics(
-        num_prefill_requests=1,
-        sum_prefill_tokens=512,
-        num_decode_requests=32,
-        sum_decode_kv_tokens=32 * 900,
-    )
-    queued = wire.QueuedRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=300)
-    msg = wire.ForwardPassMetrics(
-        worker_id=worker,
-        dp_rank=dp_rank,
-        counter_id=_COUNTER_SENTINEL,
-        wall_time=0.02,
-        scheduled_requests=sched,
-        queued_requests=queued,
-    )
+    its 8 bytes are: each send patches them (a valid, if not minimal, msgpack). A
+    pass of 1 prefill and 32 decode requests, or an idle engine's heartbeat."""
+    if heartbeat:
+        msg = wire.ForwardPassMetrics(
+            worker_id=worker, dp_rank=dp_rank, counter_id=_COUNTER_SENTINEL, wall_time=0.0
+        )
+    else:
+        msg = wire.ForwardPassMetrics(
+            worker_id=worker,
+            dp_rank=dp_rank,
+            counter_id=_COUNTER_SENTINEL,
+            wall_time=0.02,
+            scheduled_requests=wire.ScheduledRequestMetrics(
+                num_prefill_requests=1,
+                sum_prefill_tokens=512,
+                num_decode_requests=32,
+                sum_decode_kv_tokens=32 * 900,
+            ),
+            queued_requests=wire.QueuedRequestMetrics(
+                num_prefill_requests=1, sum_prefill_tokens=300
+            ),
+        )
     payload = bytearray(msgspec.msgpack.encode(msg))
     at = payload.index(b"\xcf" + _COUNTER_SENTINEL.to_bytes(8, "big")) + 1
     return payload, at
@@ -143,6 +150,7 @@ def publish(
     start_at: float,
     stop_at: float,
     out: Any,
+    drained: Any,
     cpus: set[int] | None = None,
 ) -> None:
     """Bind every target, then send ``rate`` msg/s round-robin until ``stop_at``.
@@ -179,6 +187,19 @@ def publish(
             sent += 1
         if sent >= int((time.time() - t0) * rate):
             time.sleep(0.005)
+    # Then idle, as an engine with no work: a heartbeat per endpoint, and another
+    # once the operator has drained what it received (one it sheds or one lost on
+    # the way shows no gap), so that it can tell that every frame lost was lost.
+    for _ in range(2):
+        time.sleep(1.0)
+        for k, (worker, _, port) in enumerate(targets):
+            payload, at = frame_template(worker, port - BASE_PORT, heartbeat=True)
+            sequence = counters[k].to_bytes(8, "big")
+            payload[at : at + 8] = sequence
+            socks[k].send_multipart([b"", sequence, payload])
+            counters[k] += 1
+            sent += 1
+        drained.wait(120.0)
     out.put({"sent": sent})
     time.sleep(1.0)  # let the last frames leave before the sockets close
     for s in socks:
@@ -258,7 +279,8 @@ def operator(
     start_at: float,
     stop_at: float,
     out: Any,
-    cpus: set[int] | None = None,
+    cpus: set[int] | None,
+    drained: Any,
     oversize: bool = False,
     cpu_limit: float = 0.0,
 ) -> None:
@@ -391,16 +413,28 @@ def operator(
 
     time.sleep(max(0.0, measure_from - time.time()))
     cpu0, wall0, c0 = time.process_time(), time.time(), counts()
-    rss_samples = []
+    rss_samples: list[float] = []
+    queued_samples: list[float] = []
     while time.time() < stop_at:
         time.sleep(1.0)
         rss_samples.append(rss_mb()[0])
+        queued_samples.append(sum(a.queue.bytes for a in autoscalers) / 2**20)
     cpu1, wall1, c1 = time.process_time(), time.time(), counts()
-    # Drain what is still queued so the accounting can close.
-    time.sleep(2.0)
+    # Wait for the publishers' last frames and heartbeats to be received (up to a
+    # minute each under overload) and ingest them, twice (see publish), so that the
+    # accounting can close.
     stop.set()
-    for a in autoscalers:
-        a.ingest()
+    for _ in range(2):
+        received, quiet_since = -1, time.time()
+        began = quiet_since
+        while time.time() - quiet_since < 3.0 and time.time() - began < 60.0:
+            time.sleep(0.5)
+            now_received = counts()["received"]
+            if now_received != received:
+                received, quiet_since = now_received, time.time()
+        for a in autoscalers:
+            a.ingest()
+        drained.set()
     final = counts()
     rss, peak = rss_mb()
     window = {k: c1[k] - c0[k] for k in c1}
@@ -418,6 +452,8 @@ def operator(
             "rss_mb_median": statistics.median(rss_samples) if rss_samples else rss,
             "rss_mb_end": rss,
             "rss_mb_peak": peak,
+            "rss_mb_samples": [round(v, 1) for v in rss_samples],
+            "queued_mb_samples": [round(v, 1) for v in queued_samples],
             "rounds": len(latencies),
             "round_latency_p50_s": _pct(latencies, 0.5),
             "round_latency_p99_s": _pct(latencies, 0.99),
@@ -456,6 +492,7 @@ def run_rate(
     ``cpu_limit``, the operator under that CPU quota)."""
     ctx = mp.get_context("spawn")
     out: Any = ctx.Queue()
+    drained: Any = ctx.Event()  # the operator has ingested what it received
     all_targets = [
         t for d in range(args.deployments) for t in endpoints_of(d, args.pods, args.ranks)
     ]
@@ -464,7 +501,7 @@ def run_rate(
     stop_at = start_at + args.warmup + args.duration
     op = ctx.Process(
         target=operator,
-        args=(args, rate, start_at, stop_at, out, op_cpus, oversize, cpu_limit),
+        args=(args, rate, start_at, stop_at, out, op_cpus, drained, oversize, cpu_limit),
     )
     op.start()
     pubs = [
@@ -476,6 +513,7 @@ def run_rate(
                 start_at,
                 stop_at,
                 out,
+                drained,
                 pub_cpus,
             ),
         )
@@ -577,7 +615,7 @@ def main() -> None:
     parser.add_argument(
         "--overload",
         type=float,
-        default=40_000,
+        default=50_000,
         help="msg/s offered in the overload run",
     )
     parser.add_argument(
@@ -597,7 +635,7 @@ def main() -> None:
     parser.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="operator on one CPU, publishers on the others (where there are two or more)",
     )
     parser.add_argument("--interval", type=float, default=10.0)
