@@ -282,10 +282,12 @@ class StreamTable:
             axis=0,
         )
         # The last non-duplicate sequence of each stream (a duplicate equals it anyway).
-        last_seq = seq[ends]
+        last_seq = seq[ends].tolist()
+        after = passes_after.tolist()
         restarted: list[StreamKey] = []
-        for j, state in enumerate(states):
-            n_msgs, n_pass, n_hb, n_lost, n_restart, n_dup = (int(v) for v in sums[j])
+        # Python ints once for the whole batch: the loop below is per stream.
+        for j, (state, row) in enumerate(zip(states, sums.tolist(), strict=True)):
+            n_msgs, n_pass, n_hb, n_lost, n_restart, n_dup = row
             if self._streams.get(state.key) is not state:
                 # Evicted by a newer stream of this same batch: its counts still count.
                 for name, value in zip(
@@ -301,11 +303,11 @@ class StreamTable:
             state.lost += n_lost
             state.restarts += n_restart
             if n_restart:
-                state.passes_since_restart = int(passes_after[j])
+                state.passes_since_restart = after[j]
                 restarted.append(state.key)
             else:
                 state.passes_since_restart += n_pass
-            state.last_sequence = int(last_seq[j])
+            state.last_sequence = last_seq[j]
             state.last_seen = now
             if n_pass:
                 state.last_pass_time = now

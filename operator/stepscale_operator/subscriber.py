@@ -70,7 +70,10 @@ _EXACT_FLOAT_LIMIT = float(2**53)
 # too large is received and counted (payload_too_large); a far larger frame costs
 # its sender the connection before it is buffered.
 MAX_FRAME_BYTES = 2 * wire.MAX_PAYLOAD_BYTES
-DEFAULT_RCVHWM = 1000  # messages per connection: ~20 s of one engine at 50 passes/s
+# Messages per connection ZMQ holds before it drops (counted as gaps): 5 s of one
+# engine at 50 passes/s, far above what arrives between two receives; it bounds
+# ZMQ's memory (about 0.1 MB per connection with real frames).
+DEFAULT_RCVHWM = 250
 
 
 @dataclass

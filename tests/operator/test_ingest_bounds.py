@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from stepscale_engine import wire
+from stepscale_operator.controller import autoscaler as autoscaler_module
 from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
 from stepscale_operator.controller.discovery import PodView
+from stepscale_operator.controller.ingest_queue import ByteBudget, IngestQueue
+from stepscale_operator.controller.round_priority import RoundPriority
 from stepscale_operator.controller.spec import parse_spec
 from stepscale_operator.controller.status import build_status, load_status, stream_status
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch
@@ -215,3 +219,59 @@ def test_totals_keep_the_counts_of_streams_the_table_evicted(
     totals = autoscaler.decide().totals
     assert autoscaler.model.streams.evicted >= 1
     assert totals["messages"] == 60
+
+
+def test_all_queues_of_the_process_share_one_byte_budget(clock: FakeClock) -> None:
+    shared = ByteBudget(30_000)
+    first = IngestQueue(max_bytes=1_000_000, shared=shared)
+    second = IngestQueue(max_bytes=1_000_000, shared=shared)
+    batch = passes("a", 0, 10).matrices
+    while first.put(clock.now, batch):
+        pass
+    assert shared.used <= 30_000
+    assert first.shed_messages == 10
+    # The budget is spent: another deployment's queue takes one batch (it must never
+    # starve) and sheds the next, counted.
+    assert second.put(clock.now, batch) is True
+    assert second.put(clock.now, batch) is False
+    assert second.shed_messages == 10
+    # What one queue gives back (ingested, or the deployment closed), the other can use.
+    first.take(1_000_000)
+    second.clear()
+    assert shared.used == 0
+    assert second.put(clock.now, batch) and second.put(clock.now, batch)
+
+
+def test_a_round_sheds_a_backlog_beyond_its_budget_and_says_so(
+    autoscaler: DeploymentAutoscaler, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pods(autoscaler, "a")
+    monkeypatch.setattr(autoscaler_module, "ROUND_INGEST_MESSAGES", 500)
+    monkeypatch.setattr(autoscaler, "_waiting", 1)  # the subscriber side ingests nothing
+    for i in range(300):
+        autoscaler._on_batch(passes("a", 10 * i, 10))
+    assert len(autoscaler.queue) == 3000
+    monkeypatch.setattr(autoscaler, "_waiting", 0)
+    round_ = autoscaler.decide()
+    # The oldest part of the backlog is shed, the newest 500 decided on.
+    assert round_.ingested_messages == 500
+    assert round_.totals["shed_messages"] == 2500
+    assert round_.totals["messages"] == 500
+    assert round_.stream_health["shedding"] is True
+    assert autoscaler.model.streams.health(clock.now)["messages"] == 500
+
+
+def test_subscriber_threads_wait_while_a_decision_round_runs() -> None:
+    priority = RoundPriority()
+    assert priority.wait_for_rounds() is False  # no round running: no wait
+    results: list[bool] = []
+    waiter = threading.Thread(target=lambda: results.append(priority.wait_for_rounds(60.0)))
+    with priority.round():
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # held back while the round runs
+    waiter.join(30.0)  # released when the round ends, long before its 60 s timeout
+    assert not waiter.is_alive() and results == [True]
+    # A round that never ends holds ingest back for at most the timeout.
+    with priority.round():
+        assert priority.wait_for_rounds(timeout_s=0.05) is True

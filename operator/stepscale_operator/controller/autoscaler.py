@@ -10,11 +10,13 @@ arrival time) to a queue bounded in bytes (:class:`.ingest_queue.IngestQueue`,
 which sheds and counts what does not fit); everything that touches the model
 (ingest, stream membership, predictions, snapshots) runs under one lock. Work
 under the lock is bounded per turn: the subscriber thread ingests one merged
-chunk at a time, and only when the lock is free (never waiting for it), so a
+chunk at a time, and only when the lock is free and no one waits for it, so a
 decision round, a status snapshot or a pod event waits for at most one chunk;
 a decision round ingests what was queued when it began, not what arrives
-meanwhile. The model therefore has a single writer at a time and the planner
-never reads a half-updated fit.
+meanwhile, and at most ``ROUND_INGEST_MESSAGES`` of it: under overload the
+oldest part of a backlog is shed (counted, and said on status) so that rounds
+stay on time. The model therefore has a single writer at a time and the
+planner never reads a half-updated fit.
 
 Streams follow pods: messages from an identity that no current pod backs (in
 flight when its pod was deleted, or no pod at all) never reach the model; they
@@ -29,7 +31,8 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,6 +46,7 @@ from stepscale_operator.controller.ingest_queue import (
     DEFAULT_MERGE_SPAN_S,
     IngestQueue,
 )
+from stepscale_operator.controller.round_priority import ROUNDS
 from stepscale_operator.controller.spec import AutoscalingSpec, VllmDeploymentSpec
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch, PassMatrices
@@ -65,9 +69,19 @@ log = logging.getLogger(__name__)
 # oldest queued batch is this old (seconds), whichever comes first.
 INGEST_AT_MESSAGES = 8192
 INGEST_AFTER_S = 2.0
-# The subscriber's thread lets messages gather this long between receives (a receive
-# costs about the same for one message or a thousand; decisions come every seconds).
-RECEIVE_COALESCE_S = 0.1
+# The subscriber's thread lets messages gather this long between receives: a receive
+# costs about the same for one message or a thousand, and each connection's queue
+# that a receive empties costs a wake-up when its next message comes. Queued
+# batches reach the model every INGEST_AFTER_S anyway, so this delays nothing the
+# planner sees (0.1 s cost 30% more CPU per message than 0.5 s at 5k msg/s over
+# 1,000 connections; benchmarks/bench_operator_ingest.py). One engine sends 25-50
+# passes in 0.5 s, far below the subscriber's per-connection high-water mark.
+RECEIVE_COALESCE_S = 0.5
+# A decision round ingests at most about this many queued messages (one chunk:
+# about 15 ms of a core); a backlog beyond it means the subscriber thread is not
+# keeping up, and its oldest part is shed (counted) so that the round decides on
+# fresh data, on time.
+ROUND_INGEST_MESSAGES = 8192
 # Per-stream counts that the operator's counters total (stream_state.StreamState fields).
 COUNTED_FIELDS = ("messages", "passes", "lost", "restarts")
 
@@ -180,6 +194,9 @@ class DeploymentAutoscaler:
         self._clock = clock
         self._wall_clock = wall_clock
         self._lock = threading.RLock()
+        # Operator-side callers waiting for the lock (see _turn); its own small lock.
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
         self.queue = IngestQueue(max_bytes=max_queued_bytes, merge_span_s=merge_span(spec))
         self.strays = StrayStreams(expire_after_s=max(60.0, 4.0 * spec.autoscaling.interval_s))
         # The identities of the streams the pods publish (the model ingests only these).
@@ -227,11 +244,18 @@ class DeploymentAutoscaler:
                 "%s: FPM messages arrive faster than they are ingested; shedding (counted)",
                 self.name,
             )
+        try:
+            self._ingest_queued(now)
+        finally:
+            ROUNDS.wait_for_rounds()  # a round anywhere in the process goes first
+
+    def _ingest_queued(self, now: float) -> None:
+        """Ingest merged chunks while enough is queued and the lock is free."""
         while len(self.queue) >= INGEST_AT_MESSAGES or (
             len(self.queue) and now - self._last_ingest >= INGEST_AFTER_S
         ):
-            if not self._lock.acquire(blocking=False):
-                return  # a round or a pod event has it: it ingests, or the next batch will
+            if self._waiting or not self._lock.acquire(blocking=False):
+                return  # a round or a pod event wants it: it ingests, or the next batch will
             try:
                 self._ingest_chunk(self.queue.chunk_messages)
                 self._last_ingest = now
@@ -240,9 +264,28 @@ class DeploymentAutoscaler:
 
     # -- operator side -----------------------------------------------------------
 
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """The lock, for the operator's side (rounds, pod events, status).
+
+        The subscriber thread takes the lock only when it is free and no one is
+        waiting for it: Python's locks are not fair, and a thread that releases and
+        re-takes one in a loop (ingesting a backlog chunk by chunk) would keep a
+        waiting round out for as long as the backlog lasts.
+        """
+        with self._waiting_lock:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._waiting_lock:
+            self._waiting -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def reconfigure(self, spec: VllmDeploymentSpec) -> None:
         """Apply a changed spec: planner policy, load window, FPM ports; the fit is kept."""
-        with self._lock:
+        with self._turn():
             old = self.spec
             self.spec = spec
             self.queue.merge_span_s = merge_span(spec)
@@ -271,26 +314,26 @@ class DeploymentAutoscaler:
 
     def observe_pod(self, pod: PodView) -> StreamChanges:
         """A pod of this deployment was added or changed: follow its streams."""
-        with self._lock:
+        with self._turn():
             changes = self.pods.observe(pod)
             self._apply(changes)
             return changes
 
     def forget_pod(self, pod_name: str) -> StreamChanges:
         """A pod of this deployment was deleted: drop its streams."""
-        with self._lock:
+        with self._turn():
             changes = self.pods.forget(pod_name)
             self._apply(changes)
             return changes
 
     def pod_mark(self) -> int:
         """Take before listing the pods; pass to :meth:`resync_pods` with the listing."""
-        with self._lock:
+        with self._turn():
             return self.pods.mark()
 
     def resync_pods(self, listed: Iterable[PodView], since: int) -> StreamChanges:
         """Match a full pod listing: drop pods whose deletion the watch missed."""
-        with self._lock:
+        with self._turn():
             changes = self.pods.resync(listed, since)
             self._apply(changes)
             return changes
@@ -312,7 +355,7 @@ class DeploymentAutoscaler:
         """Feed queued messages to the model in merged chunks at their arrival times:
         at most ``max_messages`` (default: what is queued now, not what arrives while
         this runs); returns the messages taken from the queue."""
-        with self._lock:
+        with self._turn():
             budget = len(self.queue) if max_messages is None else max_messages
             n = 0
             while n < budget:
@@ -370,7 +413,7 @@ class DeploymentAutoscaler:
         """Messages, passes, lost, restarts, malformed frames by reason (``malformed:REASON``),
         messages shed (queue full) and stray messages (no pod's stream) since this
         autoscaler started; they never decrease."""
-        with self._lock:
+        with self._turn():
             totals = self._retired + self._stream_counts(self.model.streams.keys(), True)
             totals["shed_messages"] = self.queue.shed_messages
             totals["stray_messages"] = self.strays.messages
@@ -383,7 +426,7 @@ class DeploymentAutoscaler:
 
     def stream_health(self, now: float) -> dict[str, Any]:
         """The stream table's health, with the ingest's shedding and the stray identities."""
-        with self._lock:
+        with self._turn():
             health = self.model.streams.health(now, per_stream=False)
             health["shedding"] = self.shedding(now)
             health["shed_messages"] = self.queue.shed_messages
@@ -413,7 +456,10 @@ class DeploymentAutoscaler:
         ``current_replicas`` is the child Deployment's replica count: pods that it
         asked for but that do not exist yet count as starting.
         """
-        with self._lock:
+        with ROUNDS.round(), self._turn():
+            # A backlog the subscriber thread did not keep up with: its oldest part is
+            # shed (counted) rather than decided on late.
+            self.queue.shed_oldest(ROUND_INGEST_MESSAGES, self._clock())
             ingested = self.ingest()
             now = self._clock()
             load = self.model.estimate(now)
@@ -461,5 +507,6 @@ class DeploymentAutoscaler:
             )
 
     def close(self) -> None:
-        """Stop listening."""
+        """Stop listening; give the queue's bytes back to the process's budget."""
         self.subscriber.close()
+        self.queue.clear()

@@ -17,7 +17,9 @@ cheap and safe under any load:
   from its rows (:func:`queued_bytes`); a batch that would take the queue past
   ``max_bytes`` is shed whole, counted in :attr:`IngestQueue.shed_messages`, and
   the time of the last shedding is kept so that status can say it is happening.
-  Only the columns are queued, never the raw payloads.
+  Only the columns are queued, never the raw payloads. Every queue of the process
+  also draws on one shared :class:`ByteBudget` (``PROCESS_QUEUE_BUDGET``), so the
+  total stays bounded however many deployments the operator watches.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from collections import deque
 
 from stepscale_operator.fpm_pipeline import PassMatrices
 
-DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024  # one deployment's queue
+DEFAULT_PROCESS_MAX_BYTES = 96 * 1024 * 1024  # every queue of the process together
 DEFAULT_CHUNK_MESSAGES = 8192
 DEFAULT_MERGE_SPAN_S = 2.0
 # Per row besides its numbers: the list slot, the key tuple and its worker-id string
@@ -44,6 +47,31 @@ def queued_bytes(matrices: PassMatrices) -> int:
     return int(matrices.numeric.nbytes) + n * (_ROW_OVERHEAD_BYTES + id_len)
 
 
+class ByteBudget:
+    """Bytes that several queues may hold together (thread-safe)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max(1, int(max_bytes))
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int, force: bool = False) -> bool:
+        """Reserve ``n`` bytes if they fit (always with ``force``); True if reserved."""
+        with self._lock:
+            if not force and self.used + n > self.max_bytes:
+                return False
+            self.used += n
+            return True
+
+    def give_back(self, n: int) -> None:
+        """Release ``n`` bytes reserved with :meth:`take`."""
+        with self._lock:
+            self.used -= n
+
+
+PROCESS_QUEUE_BUDGET = ByteBudget(DEFAULT_PROCESS_MAX_BYTES)
+
+
 class IngestQueue:
     """Received batches waiting for the model (thread-safe; see the module docstring)."""
 
@@ -52,8 +80,11 @@ class IngestQueue:
         max_bytes: int = DEFAULT_MAX_BYTES,
         chunk_messages: int = DEFAULT_CHUNK_MESSAGES,
         merge_span_s: float = DEFAULT_MERGE_SPAN_S,
+        shared: ByteBudget = PROCESS_QUEUE_BUDGET,
     ) -> None:
+        """``max_bytes``: this queue's bound; ``shared``: the bound of all queues."""
         self.max_bytes = max(1, int(max_bytes))
+        self.shared = shared
         self.chunk_messages = max(1, int(chunk_messages))
         self.merge_span_s = float(merge_span_s)
         self._items: deque[tuple[float, PassMatrices, int]] = deque()
@@ -68,15 +99,45 @@ class IngestQueue:
         """Queue a batch received at ``arrived``; False (and counted) when it is shed."""
         size = queued_bytes(matrices)
         with self._lock:
-            if self.bytes + size > self.max_bytes and self._items:
+            # An empty queue always takes one batch, so no deployment starves.
+            fits = self.bytes + size <= self.max_bytes and self.shared.take(size)
+            if not fits and self._items:
                 self.shed_messages += len(matrices)
                 self.shed_batches += 1
                 self.last_shed = arrived
                 return False
+            if not fits:
+                self.shared.take(size, force=True)
             self._items.append((arrived, matrices, size))
             self.messages += len(matrices)
             self.bytes += size
             return True
+
+    def shed_oldest(self, keep_messages: int, now: float) -> int:
+        """Shed (and count) the oldest batches until at most ``keep_messages`` remain
+        queued (whole batches: one more may stay); returns the messages shed."""
+        shed = 0
+        with self._lock:
+            while self._items and self.messages - len(self._items[0][1]) >= keep_messages:
+                _, matrices, size = self._items.popleft()
+                self.messages -= len(matrices)
+                self.bytes -= size
+                self.shared.give_back(size)
+                self.shed_batches += 1
+                shed += len(matrices)
+            if shed:
+                self.shed_messages += shed
+                self.last_shed = now
+        return shed
+
+    def clear(self) -> None:
+        """Drop everything queued, uncounted (the deployment is going away), and give
+        its bytes back to the shared budget."""
+        with self._lock:
+            self.shared.give_back(self.bytes)
+            self._items.clear()
+            self.messages = 0
+            self.bytes = 0
 
     def oldest(self) -> float | None:
         """Arrival time of the oldest queued batch, or None when empty."""
@@ -104,6 +165,7 @@ class IngestQueue:
                 arrived = t
                 self.messages -= len(matrices)
                 self.bytes -= size
+                self.shared.give_back(size)
         return arrived, PassMatrices.concat(parts)
 
     def __len__(self) -> int:

@@ -409,17 +409,18 @@ class StreamLedger:
         if len(voters) <= self.min_voters:
             return []  # too few to outvote anyone: no one's standing changes
         residuals = np.array([r.mean_log_residual for _, r in voters])
+        # Judged by how many of the others it agrees with, not by their median: with
+        # one bad stream among three, the median of a good one's two others is
+        # halfway to the bad one. Counted on the sorted residuals (O(n log n)).
+        agree_leave = _agreeing_others(residuals, self._leave).tolist()
+        agree_enter = _agreeing_others(residuals, self._enter).tolist()
+        n_others = len(voters) - 1
         entered = []
-        for i, (_, record) in enumerate(voters):
-            # Judged by how many of the others it agrees with, not by their median:
-            # with one bad stream among three, the median of a good one's two others
-            # is halfway to the bad one.
-            diff = np.abs(np.delete(residuals, i) - residuals[i])
-            n_others = diff.shape[0]
+        for (_, record), leave, enter in zip(voters, agree_leave, agree_enter, strict=True):
             if record.quarantined:
                 # Back once at least half of the others agree with it closely.
-                record.quarantined = 2 * np.count_nonzero(diff <= self._leave) < n_others
-            elif 2 * np.count_nonzero(diff <= self._enter) < n_others:
+                record.quarantined = 2 * leave < n_others
+            elif 2 * enter < n_others:
                 record.quarantined = True
                 record.quarantines += 1
                 entered.append(record)
@@ -438,3 +439,11 @@ class StreamLedger:
             centre = float(np.median(others)) if others else 0.0
             out[stream_label(key)] = math.expm1(record.mean_log_residual - centre)
         return out
+
+
+def _agreeing_others(values: FloatArray, within: float) -> npt.NDArray[np.int64]:
+    """For each value, how many of the other values lie within ``within`` of it."""
+    ordered = np.sort(values)
+    upper = np.searchsorted(ordered, values + within, side="right")
+    lower = np.searchsorted(ordered, values - within, side="left")
+    return (upper - lower - 1).astype(np.int64)
