@@ -536,7 +536,9 @@ def run_rate(
     for p in pubs:
         p.start()
     results: list[dict[str, Any]] = []
-    deadline = time.time() + args.setup + args.warmup + args.duration + 120
+    # Draining what the publishers buffered takes minutes at 0.1 core: two quiet
+    # waits of up to a minute each, and the processes' start and stop.
+    deadline = time.time() + args.setup + args.warmup + args.duration + 300
     while len(results) < 1 + len(pubs):
         try:
             results.append(out.get(timeout=2.0))
@@ -662,7 +664,11 @@ def main() -> None:
     rows = []
     for kind, name, rate, frame_bytes, cpu_limit in runs:
         args.oversize_bytes_now = frame_bytes
-        row = run_rate(args, rate, oversize=frame_bytes > 0, cpu_limit=cpu_limit)
+        try:
+            row = run_rate(args, rate, oversize=frame_bytes > 0, cpu_limit=cpu_limit)
+        except RuntimeError as exc:  # one failed run must not lose the others
+            print(f"  {name} failed: {exc}", flush=True)
+            continue
         row.update(kind=kind, run=name, oversize_bytes=frame_bytes, cpu_limit=cpu_limit)
         rows.append(row)
         print(f"  done {name}", flush=True)
