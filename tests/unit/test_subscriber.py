@@ -493,3 +493,20 @@ def test_one_receive_holds_a_bounded_number_of_payload_bytes(ctx: zmq.Context) -
             sizes.append(len(batch))
     assert max(sizes) <= 5
     pub.close(0)
+
+
+def test_receives_gather_for_coalesce_s_at_low_rates_and_fewer_messages_at_high_rates(
+    ctx: zmq.Context,
+) -> None:
+    now = [100.0]
+    sub = FpmSubscriber(context=ctx, coalesce_s=0.5, coalesce_messages=200, clock=lambda: now[0])
+    try:
+        assert sub._coalesce_wait(0) == 0.5  # nothing yet: the longest wait
+        now[0] += 0.5
+        # 100 msg/s: 200 messages take 2 s to arrive, so the whole 0.5 s.
+        assert sub._coalesce_wait(50) == 0.5
+        now[0] += 0.5
+        # 8,000 msg/s: wait only as long as 200 take (what waits in ZMQ costs memory).
+        assert sub._coalesce_wait(4000) == pytest.approx(0.025)
+    finally:
+        sub.close()
