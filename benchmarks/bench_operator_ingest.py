@@ -474,6 +474,16 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def remove_cpu_limit(pid: int | None) -> None:
+    """Remove the cgroup :func:`limit_cpu` made for process ``pid`` (once it has exited)."""
+    for root in (CGROUP_CPU, Path("/sys/fs/cgroup")):
+        for group in root.glob(f"stepscale-bench-{pid}"):
+            try:
+                group.rmdir()
+            except OSError as exc:  # still populated: say so rather than leave it silently
+                print(f"  could not remove {group}: {exc}", flush=True)
+
+
 def cpu_plan(args: argparse.Namespace) -> tuple[set[int] | None, set[int] | None]:
     """(operator CPUs, publisher CPUs): with ``--pin`` and two or more CPUs, the
     operator gets the first and the publishers the rest, so that neither steals
@@ -547,13 +557,12 @@ def run_rate(
             if failed or time.time() > deadline:
                 for p in (op, *pubs):
                     p.kill()
+                    p.join(30)
+                remove_cpu_limit(op.pid)
                 raise RuntimeError(f"a benchmark process failed or hung: {failed}") from None
     for p in (op, *pubs):
         p.join(30)
-    for group in CGROUP_CPU.glob(f"stepscale-bench-{op.pid}"):
-        group.rmdir()
-    for group in Path("/sys/fs/cgroup").glob(f"stepscale-bench-{op.pid}"):
-        group.rmdir()
+    remove_cpu_limit(op.pid)
     row = next(r for r in results if "rate" in r)
     row["sent"] = sum(r["sent"] for r in results if "sent" in r)
     row["sent_per_s"] = row["sent"] / (args.warmup + args.duration)
