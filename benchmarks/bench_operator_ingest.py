@@ -251,13 +251,21 @@ OVERSIZE_POD = ("d0-oversize", "127.10.200.1", BASE_PORT)
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1 cpu controller, where writable
 
 
+CGROUP_V2 = Path("/sys/fs/cgroup")
+
+
+def cgroup_name(pid: int | None) -> str:
+    """The name of the cgroup :func:`limit_cpu` makes for process ``pid``."""
+    return f"stepscale-bench-{pid}"
+
+
 def limit_cpu(cores: float) -> Path | None:
     """Put this process under a CFS quota of ``cores`` (what a Kubernetes CPU limit
     does to the operator's pod); the cgroup's path, or None where it cannot be made."""
     if CGROUP_CPU.joinpath("cgroup.procs").exists():
-        group = CGROUP_CPU / f"stepscale-bench-{os.getpid()}"
-    elif Path("/sys/fs/cgroup/cgroup.subtree_control").exists():
-        group = Path("/sys/fs/cgroup") / f"stepscale-bench-{os.getpid()}"  # cgroup v2
+        group = CGROUP_CPU / cgroup_name(os.getpid())
+    elif CGROUP_V2.joinpath("cgroup.subtree_control").exists():
+        group = CGROUP_V2 / cgroup_name(os.getpid())
     else:
         return None
     try:
@@ -476,8 +484,8 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def remove_cpu_limit(pid: int | None) -> None:
     """Remove the cgroup :func:`limit_cpu` made for process ``pid`` (once it has exited)."""
-    for root in (CGROUP_CPU, Path("/sys/fs/cgroup")):
-        for group in root.glob(f"stepscale-bench-{pid}"):
+    for group in (CGROUP_CPU / cgroup_name(pid), CGROUP_V2 / cgroup_name(pid)):
+        if group.is_dir():
             try:
                 group.rmdir()
             except OSError as exc:  # still populated: say so rather than leave it silently

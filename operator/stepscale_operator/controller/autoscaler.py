@@ -73,9 +73,10 @@ INGEST_AFTER_S = 2.0
 # costs about the same for one message or a thousand, and each connection's queue
 # that a receive empties costs a wake-up when its next message comes. Queued
 # batches reach the model every INGEST_AFTER_S anyway, so this delays nothing the
-# planner sees (0.1 s cost 30% more CPU per message than 0.5 s at 5k msg/s over
-# 1,000 connections; benchmarks/bench_operator_ingest.py). One engine sends 25-50
-# passes in 0.5 s, far below the subscriber's per-connection high-water mark.
+# planner sees (in one run of benchmarks/bench_operator_ingest.py at 5k msg/s over
+# 1,000 connections, 0.1 s cost about 20% more CPU per message). At high rates the
+# subscriber waits less (FpmSubscriber._coalesce_wait: memory). One engine sends
+# 25-50 passes in 0.5 s, far below the subscriber's per-connection high-water mark.
 RECEIVE_COALESCE_S = 0.5
 # A decision round ingests at most about this many queued messages (one chunk:
 # about 15 ms of a core); a backlog beyond it means the subscriber thread is not

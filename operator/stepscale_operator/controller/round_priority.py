@@ -49,11 +49,6 @@ class RoundPriority:
             self._idle.wait_for(lambda: self._running == 0, timeout_s)
         return True
 
-    @property
-    def running(self) -> int:
-        """Rounds running now."""
-        return self._running
-
 
 # One per process: the operator's deployments share its CPU.
 ROUNDS = RoundPriority()
