@@ -10,6 +10,8 @@ reconnect attempt within ``delay_s`` is re-connected here, and counted.
 
 from __future__ import annotations
 
+import contextlib
+
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -27,6 +29,7 @@ class ConnectionMonitor:
 
     def __init__(self, sock: zmq.Socket, delay_s: float = 1.0) -> None:
         self.delay_s = float(delay_s)
+        self._watched = sock
         self.socket: zmq.Socket = sock.get_monitor_socket(_EVENTS)
         self._due: dict[str, float] = {}  # endpoint -> when to re-connect it
 
@@ -53,5 +56,14 @@ class ConnectionMonitor:
         self._due.pop(endpoint, None)
 
     def close(self) -> None:
-        """Close the monitor socket."""
+        """Detach the monitor from the watched socket, then close the monitor socket.
+
+        The order matters: libzmq sends monitor events from the context's I/O
+        thread with a blocking send, so an event for a reader that is already
+        closed (closing the watched socket emits DISCONNECTED for each live
+        connection) blocks that thread for good, and with it every socket of
+        the context, the process-wide one included.
+        """
+        with contextlib.suppress(zmq.ZMQError):
+            self._watched.disable_monitor()
         self.socket.close(linger=0)
