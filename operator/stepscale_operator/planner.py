@@ -41,7 +41,12 @@ from stepscale_operator.planner_stages import (
     PlannerInputs,
     ReplicaCounts,
 )
-from stepscale_operator.scale_verdict import StabilizationWindow, scale_down_or_hold, scale_up
+from stepscale_operator.scale_verdict import (
+    StabilizationWindow,
+    scale_down_or_hold,
+    scale_up,
+    unseen_load,
+)
 
 __all__ = [
     "Decision",
@@ -122,7 +127,9 @@ class Planner:
                 policy, self._window, inputs, now, fleet, demand, need, bursts, feedback, floors
             )
         else:
-            verdict = scale_down_or_hold(policy, self._window, now, fleet, need, bursts, floors)
+            verdict = scale_down_or_hold(
+                policy, self._window, now, fleet, need, bursts, floors, unseen_load(inputs, policy)
+            )
             record["stabilised_recommendation"] = self._window.highest()
         record["predictions_load"] = verdict.basis
         reason = f"{verdict.reason}; {need.caveat}" if need.caveat else verdict.reason

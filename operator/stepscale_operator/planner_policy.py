@@ -41,6 +41,11 @@ class PlannerPolicy:
     initial_hold_s: float = 300.0
     starting_timeout_s: float = 600.0  # a pod starting longer than this is not counted
     max_load_age_s: float = 30.0  # older load estimates are stale
+    # The load estimate sums the passes it saw: with more than this share of the
+    # window's passes shed or lost (an overloaded operator, ZMQ drops) it reads
+    # low, and scale-down waits (scale-up does not: a low reading only delays it).
+    # A few stray gaps (a pod restarting mid-send) do not hold the fleet.
+    max_unseen_load_share: float = 0.01
     lookahead_extra_s: float = 10.0  # added to the pod start-up time (one decision period)
     # A trend measured over a short window is noisy: use half of it, let it raise
     # the planned load by at most 30%, and only as far as it persisted. (15% saves

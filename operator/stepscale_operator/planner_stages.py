@@ -45,6 +45,10 @@ class PlannerInputs:
     max_replicas: int
     engine: EngineLimits
     pod_startup_s: float
+    # The share of the passes sent over the load window that the estimate saw
+    # (:class:`~stepscale_operator.ingest_coverage.IngestCoverage`); the rest was
+    # shed or lost, so the estimate is a lower bound.
+    load_seen_fraction: float = 1.0
 
 
 @dataclass(frozen=True)

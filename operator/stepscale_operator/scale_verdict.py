@@ -140,6 +140,18 @@ def scale_down_pause_s(policy: PlannerPolicy, total: int) -> float:
     return policy.scale_down_settle_s * min(1.0, policy.scale_down_step / per_window)
 
 
+def unseen_load(inputs: PlannerInputs, policy: PlannerPolicy) -> str:
+    """Why the measured load is a lower bound ("" when it is not): more than
+    ``max_unseen_load_share`` of the window's passes never reached the estimate."""
+    unseen = 1.0 - inputs.load_seen_fraction
+    if unseen <= policy.max_unseen_load_share:
+        return ""
+    return (
+        f"{unseen:.1%} of the passes sent in the load window were shed or lost "
+        "(operator overloaded or ZMQ drops), so the load reads low"
+    )
+
+
 def scale_down_or_hold(
     policy: PlannerPolicy,
     window: StabilizationWindow,
@@ -148,11 +160,18 @@ def scale_down_or_hold(
     need: CapacityNeed,
     bursts: BurstFloor,
     floors: Floors,
+    unseen: str = "",
 ) -> Verdict:
-    """Fewer may do: scale down once the whole stabilization window agrees, else hold."""
+    """Fewer may do: scale down once the whole stabilization window agrees, else hold.
+
+    ``unseen`` says why the measured load is a lower bound (passes shed or lost),
+    "" when it is not: then no scale-down, and the window remembers the current
+    count, so the low reading cannot justify one later either.
+    """
     total, lo = fleet.total, fleet.low
     candidate = max(floors.scale_down_floor + fleet.timed_out, lo)
-    window.remember(now, max(floors.measured_floor + fleet.timed_out, lo))
+    measured = max(floors.measured_floor + fleet.timed_out, lo)
+    window.remember(now, max(measured, total) if unseen else measured)
     stabilised = window.highest()
     window_covered = window.covered(now)
     unchanged_s = window.fleet_unchanged_s(now)
@@ -171,6 +190,11 @@ def scale_down_or_hold(
     held_by_burst = floors.load_floor < total <= bursts.floor + fleet.timed_out
     if held_by_burst:
         why = f"hold: {bursts.reason}"
+    elif candidate < total and unseen:
+        why = (
+            f"hold: {candidate} would do on the measured load, but {unseen}; "
+            "never scale down on missing data"
+        )
     elif candidate < total and window_covered and stabilised < total:
         why = (
             f"hold: {candidate} would do, but the fleet changed {unchanged_s:.0f}s ago; "

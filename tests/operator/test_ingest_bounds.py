@@ -25,6 +25,7 @@ from stepscale_operator.controller.spec import parse_spec
 from stepscale_operator.controller.status import build_status, load_status, stream_status
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch
 from stepscale_operator.load_estimate import LoadEstimator
+from stepscale_operator.planner import Decision, PlannerInputs
 
 
 class FakeClock:
@@ -259,6 +260,32 @@ def test_a_round_sheds_a_backlog_beyond_its_budget_and_says_so(
     assert round_.totals["messages"] == 500
     assert round_.stream_health["shedding"] is True
     assert autoscaler.model.streams.health(clock.now)["messages"] == 500
+
+
+def test_a_round_after_shedding_tells_the_planner_the_load_reads_low(
+    autoscaler: DeploymentAutoscaler, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What an overloaded operator sheds, the load estimate misses: the planner is told
+    the share it saw, and holds scale-down (tests/unit/test_planner.py)."""
+    seen: list[float] = []
+    decide = autoscaler.planner.decide
+
+    def spy(inputs: PlannerInputs, now: float) -> Decision:
+        seen.append(inputs.load_seen_fraction)
+        return decide(inputs, now)
+
+    monkeypatch.setattr(autoscaler.planner, "decide", spy)
+    pods(autoscaler, "a")
+    counter = run_pods(autoscaler, clock, ["a"], 10, 0)
+    autoscaler.decide()
+    assert seen[-1] == 1.0
+    monkeypatch.setattr(autoscaler_module, "ROUND_INGEST_MESSAGES", 500)
+    monkeypatch.setattr(autoscaler, "_waiting", 1)  # the subscriber side ingests nothing
+    run_pods(autoscaler, clock, ["a"], 300, counter)  # 3,000 passes; the round keeps 500
+    monkeypatch.setattr(autoscaler, "_waiting", 0)
+    round_ = autoscaler.decide()
+    assert round_.totals["shed_messages"] == 2500
+    assert seen[-1] == pytest.approx(500 / 3000)  # since the last round: 500 of 3,000 seen
 
 
 def test_subscriber_threads_wait_while_a_decision_round_runs() -> None:

@@ -191,6 +191,35 @@ def test_missing_or_stale_metrics_hold_and_never_scale_down() -> None:
     assert planner.decide(inputs_for(tiny, 8, now=1000.0), now=1000.0).desired_replicas < 8
 
 
+def test_a_load_missing_shed_or_lost_passes_never_scales_down_but_may_scale_up() -> None:
+    """A load estimate that missed passes (an overloaded operator sheds, ZMQ drops)
+    reads low: it holds scale-down, for a whole stabilization window after it too,
+    and still scales up."""
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
+    tiny = load_of(0.5)
+    planner = Planner(policy)
+    for t in range(1000, 1100, 10):
+        partial = replace(inputs_for(tiny, 8, now=t), load_seen_fraction=0.6)
+        decision = planner.decide(partial, now=t)
+        assert decision.action == "hold" and decision.desired_replicas == 8
+        assert "40.0% of the passes" in decision.reason
+        assert "never scale down on missing data" in decision.reason
+    # Complete data again: the low readings are not trusted for a whole window.
+    first_down = None
+    for t in range(1100, 1300, 10):
+        decision = planner.decide(inputs_for(tiny, 8, now=t), now=t)
+        if decision.action == "scale_down" and first_down is None:
+            first_down = t
+    assert first_down is not None and first_down >= 1100 + 60 - 10
+    # A share within the tolerance (a stray gap) does not hold the fleet.
+    few_gaps = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=0.0))
+    nearly = replace(inputs_for(tiny, 8, now=1000.0), load_seen_fraction=0.995)
+    assert few_gaps.decide(nearly, now=1000.0).action == "scale_down"
+    # A reading that is low and still too much for the fleet scales up.
+    heavy = replace(inputs_for(load_of(120.0), 2), load_seen_fraction=0.5)
+    assert Planner(policy).decide(heavy, now=0.0).action == "scale_up"
+
+
 def test_model_not_ready_queue_rule_scales_up_never_down() -> None:
     planner = Planner()
     busy = planner.decide(inputs_for(load_of(5.0, queued=40.0), 2, model_ready=False), now=0.0)

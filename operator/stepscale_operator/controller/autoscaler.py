@@ -50,6 +50,7 @@ from stepscale_operator.controller.round_priority import ROUNDS
 from stepscale_operator.controller.spec import AutoscalingSpec, VllmDeploymentSpec
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch, PassMatrices
+from stepscale_operator.ingest_coverage import IngestCoverage
 from stepscale_operator.latency_model import EngineLimits, SloTargets
 from stepscale_operator.load_estimate import TREND_FIELDS, LoadEstimator
 from stepscale_operator.load_types import LoadEstimate
@@ -213,6 +214,8 @@ class DeploymentAutoscaler:
         # window was rebuilt): until a whole window has passed since, its oldest part
         # holds no data, and a slope across it reads as a rise that is not there.
         self._window_filling_since: float | None = None
+        # The share of the window's passes the load estimate saw (shed, lost: not).
+        self.coverage = IngestCoverage(spec.autoscaling.load_window_s)
         self.planner = Planner(planner_policy(spec))
         if bursts:
             # Saved as wall-clock times; the planner decides on ``clock``.
@@ -290,6 +293,7 @@ class DeploymentAutoscaler:
             old = self.spec
             self.spec = spec
             self.queue.merge_span_s = merge_span(spec)
+            self.coverage.window_s = spec.autoscaling.load_window_s
             if planner_policy(old) != planner_policy(spec):
                 learned = self.planner.burst_onsets()
                 self.planner = Planner(planner_policy(spec))
@@ -472,6 +476,9 @@ class DeploymentAutoscaler:
                 counts = ReplicaCounts(
                     counts.ready, counts.starting_since + (now,) * (current_replicas - known)
                 )
+            totals = self.totals()
+            unseen = max(totals["lost"], totals["shed_messages"])
+            seen = self.coverage.observe(now, totals["messages"], unseen)
             cost_model = self.model.cost_model
             decision: Decision | None = None
             a = self.spec.autoscaling
@@ -493,6 +500,7 @@ class DeploymentAutoscaler:
                         kv_capacity_tokens=self.spec.engine.kv_capacity_tokens,
                     ),
                     pod_startup_s=a.startup_s,
+                    load_seen_fraction=seen,
                 )
                 decision = self.planner.decide(inputs, now)
             return DecisionRound(
@@ -504,7 +512,7 @@ class DeploymentAutoscaler:
                 ready=counts.ready,
                 starting=len(counts.starting_since),
                 ingested_messages=ingested,
-                totals=self.totals(),
+                totals=totals,
             )
 
     def close(self) -> None:
