@@ -331,6 +331,8 @@ def operator(
     latencies: list[float] = []
     status_bytes: list[int] = []
     shedding_rounds: list[bool] = []  # per measured round: did status say it sheds?
+    # Per measured round, where its latency went: (woke late, decide(), the rest).
+    round_parts: list[tuple[float, float, float]] = []
     stop = threading.Event()
     measure_from = start_at + args.warmup
 
@@ -341,7 +343,9 @@ def operator(
             stop.wait(max(0.0, due - time.time()))
             if stop.is_set():
                 return
+            woke = time.time()
             r = a.decide()
+            decided = time.time()
             snap = r.cost_model_snapshot
             conditions = build_conditions(
                 now_wall=time.time(),
@@ -386,6 +390,7 @@ def operator(
                 latencies.append(done - due)
                 status_bytes.append(len(json.dumps(status)))
                 shedding_rounds.append(bool(status["streams"]["shedding"]))
+                round_parts.append((woke - due, decided - woke, done - decided))
             due += args.interval
             while due < done - args.interval:  # rounds missed outright count as late
                 latencies.append(done - due)
@@ -467,6 +472,15 @@ def operator(
             "round_latency_p99_s": _pct(latencies, 0.99),
             "round_latency_max_s": latencies[-1] if latencies else None,
             "status_bytes_max": max(status_bytes) if status_bytes else None,
+            # p50 / p99 of each part of a round's latency (seconds).
+            "round_parts_s": {
+                part: [_pct(sorted(v), 0.5), _pct(sorted(v), 0.99)]
+                for part, v in zip(
+                    ("woke_late", "decide", "status_and_metrics"),
+                    zip(*round_parts, strict=True) if round_parts else ((), (), ()),
+                    strict=True,
+                )
+            },
             "rounds_status_shedding": sum(shedding_rounds),
             "window": window,
             "final": final,
