@@ -20,7 +20,7 @@ from stepscale_operator.controller import autoscaler as autoscaler_module
 from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
 from stepscale_operator.controller.discovery import PodView
 from stepscale_operator.controller.ingest_queue import ByteBudget, IngestQueue
-from stepscale_operator.controller.round_priority import ROUNDS, RoundPriority
+from stepscale_operator.controller.round_priority import RoundPriority
 from stepscale_operator.controller.spec import parse_spec
 from stepscale_operator.controller.status import build_status, load_status, stream_status
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch
@@ -302,20 +302,3 @@ def test_subscriber_threads_wait_while_a_decision_round_runs() -> None:
     # A round that never ends holds ingest back for at most the timeout.
     with priority.round():
         assert priority.wait_for_rounds(timeout_s=0.05) is True
-
-
-def test_a_subscriber_leaves_its_backlog_queued_while_any_round_runs(
-    autoscaler: DeploymentAutoscaler, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Another deployment's round goes first too: they share the process's CPU, and
-    a backlog ingested chunk by chunk would otherwise delay every round for seconds."""
-    pods(autoscaler, "a")
-    monkeypatch.setattr(autoscaler_module, "INGEST_AT_MESSAGES", 100)
-    for i in range(5):
-        autoscaler.queue.put(clock.now, passes("a", 100 * i, 100).matrices)
-    with ROUNDS.round():  # some deployment's round is running
-        autoscaler._ingest_queued(clock.now)
-        assert len(autoscaler.queue) == 500  # nothing ingested meanwhile
-    autoscaler._ingest_queued(clock.now)
-    assert len(autoscaler.queue) < 100
-    assert autoscaler.model.streams.health(clock.now)["messages"] >= 400

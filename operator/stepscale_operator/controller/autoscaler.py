@@ -258,10 +258,8 @@ class DeploymentAutoscaler:
         while len(self.queue) >= INGEST_AT_MESSAGES or (
             len(self.queue) and now - self._last_ingest >= INGEST_AFTER_S
         ):
-            if self._waiting or ROUNDS.busy or not self._lock.acquire(blocking=False):
-                # A round (of any deployment: they share the process's CPU) or a pod
-                # event goes first; this deployment's round ingests, or the next batch will.
-                return
+            if self._waiting or not self._lock.acquire(blocking=False):
+                return  # a round or a pod event wants it: it ingests, or the next batch will
             try:
                 self._ingest_chunk(self.queue.chunk_messages)
                 self._last_ingest = now

@@ -41,11 +41,6 @@ class RoundPriority:
                 if self._running == 0:
                     self._idle.notify_all()
 
-    @property
-    def busy(self) -> bool:
-        """Whether a round is running now (read without the lock: a hint)."""
-        return self._running > 0
-
     def wait_for_rounds(self, timeout_s: float = MAX_PAUSE_S) -> bool:
         """Block while rounds run (at most ``timeout_s``); True if one was running."""
         if not self._running:  # the common case, without taking the condition's lock
