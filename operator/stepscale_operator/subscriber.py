@@ -70,10 +70,14 @@ _EXACT_FLOAT_LIMIT = float(2**53)
 # too large is received and counted (payload_too_large); a far larger frame costs
 # its sender the connection before it is buffered.
 MAX_FRAME_BYTES = 2 * wire.MAX_PAYLOAD_BYTES
-# Messages per connection ZMQ holds before it drops (counted as gaps): 5 s of one
-# engine at 50 passes/s, far above what arrives between two receives; it bounds
-# ZMQ's memory (about 0.1 MB per connection with real frames).
-DEFAULT_RCVHWM = 250
+# Messages per connection ZMQ holds before it drops (counted as gaps): 1.3 s of one
+# engine at 50 passes/s (0.3 s at 200), far above what arrives between two receives
+# or during a decision round. It bounds ZMQ's memory: a pass that arrives in its own
+# TCP read pins that read's 8 KiB buffer until it is received (libzmq receives
+# zero-copy), so a full connection holds about 1 MB, not 64 x 400 bytes. With 250,
+# an operator held to 0.15 core under 20k msg/s reached 836 MB RSS (64: 354 MB;
+# benchmarks/bench_operator_ingest.py, one run each).
+DEFAULT_RCVHWM = 64
 
 
 @dataclass

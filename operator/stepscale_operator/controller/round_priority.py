@@ -17,8 +17,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 # The longest a subscriber thread waits for rounds to finish before it receives
-# again (a round that hangs must not stop ingest).
-MAX_PAUSE_S = 1.0
+# again (a round that hangs must not stop ingest for good). Long: under a CPU
+# limit a round is one runnable thread among a dozen, and subscribers that resume
+# after a short pause take most of the CPU back (1 s: round p50 1.1-6.7 s at 0.1
+# core and 20k msg/s; 10 s: 0.6-0.8 s). What arrives meanwhile waits in ZMQ, up to
+# its high-water mark per connection (subscriber.DEFAULT_RCVHWM), then counts as gaps.
+MAX_PAUSE_S = 10.0
 
 
 class RoundPriority:
