@@ -52,6 +52,7 @@ Run: ``PYTHONPATH=engine_plugin:operator python benchmarks/bench_operator_ingest
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -424,6 +425,17 @@ def operator(
             c["stray"] += tot["stray_messages"]
         return c
 
+    # The garbage collector's pauses over the window (each stops every thread).
+    gc_pauses: list[tuple[int, float]] = []  # (generation, process CPU seconds)
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = time.process_time()
+        elif time.time() >= measure_from:
+            gc_pauses.append((info["generation"], time.process_time() - gc_started[0]))
+
+    gc.callbacks.append(on_gc)
     time.sleep(max(0.0, measure_from - time.time()))
     cpu0, wall0, c0 = time.process_time(), time.time(), counts()
     rss_samples: list[float] = []
@@ -433,6 +445,7 @@ def operator(
         rss_samples.append(rss_mb()[0])
         queued_samples.append(sum(a.queue.bytes for a in autoscalers) / 2**20)
     cpu1, wall1, c1 = time.process_time(), time.time(), counts()
+    gc.callbacks.remove(on_gc)
     # Wait for the publishers' last frames and heartbeats to be received (up to a
     # minute each under overload) and ingest them, twice (see publish), so that the
     # accounting can close.
@@ -472,6 +485,15 @@ def operator(
             "round_latency_p99_s": _pct(latencies, 0.99),
             "round_latency_max_s": latencies[-1] if latencies else None,
             "status_bytes_max": max(status_bytes) if status_bytes else None,
+            # Per collector generation: collections, CPU seconds in all, the longest.
+            "gc_pauses": {
+                str(g): [
+                    sum(1 for gen, _ in gc_pauses if gen == g),
+                    round(sum(c for gen, c in gc_pauses if gen == g), 4),
+                    round(max((c for gen, c in gc_pauses if gen == g), default=0.0), 4),
+                ]
+                for g in (0, 1, 2)
+            },
             # p50 / p99 of each part of a round's latency (seconds).
             "round_parts_s": {
                 part: [_pct(sorted(v), 0.5), _pct(sorted(v), 0.99)]
