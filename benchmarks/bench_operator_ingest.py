@@ -606,6 +606,9 @@ def run_rate(
                 raise RuntimeError(f"a benchmark process failed or hung: {failed}") from None
     for p in (op, *pubs):
         p.join(30)
+        if p.is_alive():  # a process held to a small CPU quota may take long to exit
+            p.kill()
+            p.join(30)
     remove_cpu_limit(op.pid)
     row = next(r for r in results if "rate" in r)
     row["sent"] = sum(r["sent"] for r in results if "sent" in r)
