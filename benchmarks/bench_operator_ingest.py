@@ -496,12 +496,9 @@ def operator(
             },
             # p50 / p99 of each part of a round's latency (seconds).
             "round_parts_s": {
-                part: [_pct(sorted(v), 0.5), _pct(sorted(v), 0.99)]
-                for part, v in zip(
-                    ("woke_late", "decide", "status_and_metrics"),
-                    zip(*round_parts, strict=True) if round_parts else ((), (), ()),
-                    strict=True,
-                )
+                part: [_pct(values, 0.5), _pct(values, 0.99)]
+                for i, part in enumerate(("woke_late", "decide", "status_and_metrics"))
+                for values in [sorted(p[i] for p in round_parts)]
             },
             "rounds_status_shedding": sum(shedding_rounds),
             "window": window,

@@ -59,10 +59,10 @@ class ConnectionMonitor:
         """Detach the monitor from the watched socket, then close the monitor socket.
 
         The order matters: libzmq sends monitor events from the context's I/O
-        thread with a blocking send, so an event for a reader that is already
-        closed (closing the watched socket emits DISCONNECTED for each live
-        connection) blocks that thread for good, and with it every socket of
-        the context, the process-wide one included.
+        thread with a blocking send, so the watched socket's next event after
+        the reader closed (a reconnect attempt to a pod that went away) blocks
+        that thread for good, and with it every socket of the context, the
+        process-wide one included.
         """
         with contextlib.suppress(zmq.ZMQError):
             self._watched.disable_monitor()

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import zmq
 
 from stepscale_operator.connection_monitor import ConnectionMonitor
-
-
-def unused_endpoint() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+from tests.conftest import free_tcp_port
 
 
 def test_a_closed_monitor_leaves_the_context_working() -> None:
@@ -31,7 +25,8 @@ def test_a_closed_monitor_leaves_the_context_working() -> None:
     watched = context.socket(zmq.SUB)
     watched.setsockopt(zmq.LINGER, 0)
     monitor = ConnectionMonitor(watched)
-    watched.connect(unused_endpoint())  # nobody listens: ZMQ retries every 100 ms
+    # Nobody listens there: ZMQ retries every 100 ms, each retry a monitor event.
+    watched.connect(f"tcp://127.0.0.1:{free_tcp_port()}")
     time.sleep(0.3)
     monitor.close()
     time.sleep(0.5)  # retries, and their events, after the reader closed
