@@ -35,7 +35,7 @@ from stepscale_operator.cli_input import (
     positive_float,
     report,
 )
-from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
+from stepscale_operator.controller.autoscaler import DeploymentAutoscaler, planner_policy
 from stepscale_operator.controller.discovery import PodView
 from stepscale_operator.controller.spec import VllmDeploymentSpec, parse_spec
 from stepscale_operator.controller.status import build_conditions, build_status
@@ -47,6 +47,7 @@ from stepscale_operator.local_engine import (
     MAX_PROMPT_TOKENS,
     LocalEngine,
 )
+from stepscale_operator.scale_verdict import scale_down_pause_s
 from stepscale_operator.simulator.traffic import TraceError, Traffic, load_trace, phased
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -61,8 +62,9 @@ DEMO_STARTUP_S = 30.0
 # Client-side latencies are measured over the requests finished this recently.
 MEASURE_WINDOW_S = 10.0
 # After the load ends the engine idles (heartbeating) until the recommendation is
-# back at one replica, at most this long.
-MAX_WIND_DOWN_S = 90.0
+# back at one replica: at most as long as the planner's own scale-down rules take
+# from the peak (:func:`wind_down_s`), plus this much.
+WIND_DOWN_SLACK_S = 30.0
 # Prompt and output lengths of the load profile (tokens), kept small for the CPU engine.
 DEMO_PROMPT_TOKENS = 400.0
 DEMO_OUTPUT_TOKENS = 80.0
@@ -239,6 +241,21 @@ def demo_spec(
     )
 
 
+def wind_down_s(spec: VllmDeploymentSpec, peak: int) -> float:
+    """Seconds after the last request finished until the recommendation is back at one
+    replica from ``peak``, at most, by the planner's own rules (plus a slack).
+
+    The load window first lets go of the overload, then the stabilization window must
+    agree, then each scale-down step waits for the fleet to settle at its new size
+    (one step per load window for a small fleet: a peak of 6 takes 5 of them).
+    """
+    policy = planner_policy(spec)
+    sizes = range(peak, 1, -max(1, policy.scale_down_step))
+    steps_s = sum(scale_down_pause_s(policy, size) for size in sizes)
+    window_s = spec.autoscaling.load_window_s + policy.scale_down_stabilization_s
+    return window_s + steps_s + 2.0 * spec.autoscaling.interval_s + WIND_DOWN_SLACK_S
+
+
 class DemoOperator:
     """The operator's core for one local engine seen as the only pod of a ``VllmDeployment``.
 
@@ -396,7 +413,7 @@ def run_demo(args: argparse.Namespace) -> int:
     engine = LocalEngine(fpm_port=port)
     spec = demo_spec(port, args.ttft_ms, args.itl_ms, args.refresh_s, args.stabilization_s)
     operator = DemoOperator(spec, engine.worker_id)
-    print(_introduction(args), flush=True)
+    print(_introduction(args, spec), flush=True)
     log_file = args.engine_log.open("w") if args.engine_log else None
     engine.start((int(DEMO_PROMPT_TOKENS), int(DEMO_OUTPUT_TOKENS)), log_file)
     status: dict[str, Any] = {}
@@ -421,6 +438,7 @@ def run_demo(args: argparse.Namespace) -> int:
             ]
         )
         started = time.monotonic()
+        peak, drained_at = 1, math.inf  # the highest recommendation; when the load ended
         while engine.running():
             time.sleep(args.refresh_s)
             now = time.monotonic() - started
@@ -429,8 +447,11 @@ def run_demo(args: argparse.Namespace) -> int:
             entry = record.add(now, status, measured)
             print("\n" + kubectl_table(status, NAME, now))
             print("\n".join(detail_lines(status) + latency_lines(entry, slo)), flush=True)
+            peak = max(peak, entry.desired)
+            if engine.done():
+                drained_at = min(drained_at, now)
             back = entry.desired <= 1 and status.get("replicas") == 1
-            if engine.done() and (back or now > traffic.duration_s + MAX_WIND_DOWN_S):
+            if engine.done() and (back or now > drained_at + wind_down_s(spec, peak)):
                 break
     except KeyboardInterrupt:
         print("\ninterrupted")
@@ -458,7 +479,7 @@ def _load_description(traffic: Traffic, args: argparse.Namespace, capacity: floa
     )
 
 
-def _introduction(args: argparse.Namespace) -> str:
+def _introduction(args: argparse.Namespace, spec: VllmDeploymentSpec) -> str:
     """What the demo will do, and the settings it shortens, before it starts."""
     if args.trace is None:
         calm, overload, after = args.phases_s
@@ -474,7 +495,8 @@ def _introduction(args: argparse.Namespace) -> str:
             "it adds are not real (they stay starting)",
             f"  demo timings: scale-down stabilization {args.stabilization_s:g} s, initial hold "
             f"{DEMO_INITIAL_HOLD_S:g} s, burst memory {DEMO_BURST_MEMORY_S:g} s, pod start-up "
-            f"{DEMO_STARTUP_S:g} s (operator defaults: 120, 300, 900, 120)",
+            f"{DEMO_STARTUP_S:g} s (operator defaults: 120, 300, 900, 120); scale-down "
+            f"removes one replica per {spec.autoscaling.load_window_s:g} s load window",
             "  TTFT/ITL columns: the model's predicted p99 at the running replicas",
             "starting a vLLM CPU engine with the Stepscale plugin (30-100 s)...",
         ]

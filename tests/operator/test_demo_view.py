@@ -94,3 +94,26 @@ def test_ready_column_follows_the_pod(ready: bool) -> None:
         assert row.split()[1:3] == ["1", "1" if ready else "0"]
     finally:
         operator.close()
+
+
+def test_the_demo_waits_long_enough_for_the_planners_own_descent() -> None:
+    """The demo waits for the fall by the planner's real rules: from its peak, the real
+    ``Planner`` on the demo's policy, decided every 3 s on a light load, is back at one
+    within ``wind_down_s``, whose bound grows by one settling time per replica."""
+    from stepscale_operator.controller.autoscaler import planner_policy
+    from stepscale_operator.demo import wind_down_s
+    from stepscale_operator.planner import Planner
+    from tests.unit.test_planner import inputs_for, load_of
+
+    spec = demo_spec(20999, ttft_ms=1500, itl_ms=60, refresh_s=3)
+    settle_s = spec.autoscaling.load_window_s
+    assert wind_down_s(spec, 6) - wind_down_s(spec, 5) == pytest.approx(settle_s)
+    planner, total, t = Planner(planner_policy(spec)), 8, 0.0
+    while total > 1 and t < 2 * wind_down_s(spec, 8):
+        d = planner.decide(inputs_for(load_of(0.5), total, now=t, max_replicas=8), now=t)
+        total = d.desired_replicas
+        t += 3.0
+    assert total == 1
+    # Counted from the last request the load window still holds the overload: the
+    # descent alone fits the bound less that window, stepping once per settling time.
+    assert 7 * settle_s <= t <= wind_down_s(spec, 8) - spec.autoscaling.load_window_s
