@@ -2,8 +2,10 @@
 
 The backlog's drain allowance, a recurring burst due within a start-up, and a
 sustained measured miss raise what scale-up aims for; the burst memory raises
-what scale-down may leave. Each floor says whether it bound, so the decision's
-reason names it. Pure.
+what scale-down may leave. Scale-down never leaves fewer than scale-up would
+restore on the same data (no down-then-up): at least what scale-up aims for, and
+enough serving replicas that the queue is no backlog, or its drain allowance.
+Each floor says whether it bound, so the decision's reason names it. Pure.
 """
 
 from __future__ import annotations
@@ -39,4 +41,13 @@ def apply_floors(
     for_miss = feedback.floor > needed
     if for_miss:
         needed = min(feedback.floor, need.search_high)
-    return Floors(needed, for_burst, for_miss, down_ok, measured_floor, load_floor)
+    # Scale-down leaves what scale-up aims for: the demo went 4 -> 3 -> 4 in 3 s
+    # with 485 prompts queued, the drain allowance counted by scale-up alone. And a
+    # queue that is no backlog at this size can be one at a smaller size (the
+    # trigger is per serving replica): there scale-up would add the allowance back.
+    backlog_floor = min(demand.backlog_free_at, need.needed + demand.backlog_drain_replicas)
+    backlog_floor = min(backlog_floor, need.search_high)
+    floor = max(down_ok, needed, backlog_floor)
+    # Whether the queue is what holds scale-down (the decision's reason says so).
+    for_backlog = floor > down_ok and (demand.backlog_replicas > 0 or backlog_floor > needed)
+    return Floors(needed, for_burst, for_miss, floor, for_backlog, measured_floor, load_floor)

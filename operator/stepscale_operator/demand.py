@@ -68,7 +68,9 @@ def with_demand(load: LoadEstimate, ratio: float) -> LoadEstimate:
 @dataclass(frozen=True)
 class _Backlog:
     ratio: float  # arrivals over served (the demand ratio)
-    extra: int  # replicas that drain the queue within the drain time
+    extra: int  # replicas that drain the queue within the drain time (0: no backlog)
+    drain: int  # the same, whether or not the queue is a backlog at this fleet's size
+    free_at: int  # the fewest serving replicas for which the queue is no backlog
     queued: float  # queued prefill tokens now
     growth: float  # their change per second over the window
 
@@ -111,6 +113,8 @@ class DemandStage:
             horizon_s=horizon,
             demand_ratio=backlog.ratio,
             backlog_replicas=backlog.extra,
+            backlog_drain_replicas=backlog.drain,
+            backlog_free_at=backlog.free_at,
             queued_prefill_tokens=backlog.queued,
             queue_growth_tokens_per_s=backlog.growth,
             forecast_ratio=forecast_ratio,
@@ -241,14 +245,18 @@ class DemandStage:
         served = max(load.prefill_tokens_per_s, 0.0)
         per_replica = prefill_tokens_per_s(inputs.predictor, inputs.engine)
         ready = max(inputs.replicas.ready, 1)
-        trigger = policy.backlog_trigger * inputs.slo.ttft_ms / 1e3 * per_replica * ready
-        ratio = 1.0
-        extra = 0
-        # One long prompt waiting is not a backlog of arrivals: the fleet is behind
-        # only when more prompts wait than replicas serve (each takes one at a time).
+        # The queue is a backlog when it holds more than backlog_trigger of an SLO's
+        # prefill work per serving replica and more prompts wait than replicas serve
+        # (one long prompt waiting is not a backlog of arrivals: each replica takes
+        # one at a time). Both bounds grow with the fleet: ``free_at`` is the fewest
+        # serving replicas for which this queue is none, which scale-down keeps.
+        per_ready = policy.backlog_trigger * inputs.slo.ttft_ms / 1e3 * per_replica
         waiting = max(load.queued_prefill_requests, load.queued_prefill_requests_mean)
-        if waiting <= ready:
-            trigger = math.inf
+        free_at = math.ceil(waiting)
+        if per_ready > 0.0:
+            free_at = min(free_at, math.ceil(queued / per_ready))
+        trigger = math.inf if waiting <= ready else per_ready * ready
+        ratio = 1.0
         # Only a queue past the trigger means the fleet is or was behind; below it,
         # queue changes are the noise of normal batching.
         if recent > trigger and served > 0.0:
@@ -257,7 +265,9 @@ class DemandStage:
             # the window's: react to it (rises only; a drain is judged on the window).
             ratio = max(ratio, load.prefill_demand_tokens_per_s_recent / served)
             ratio = min(max(ratio, 1.0 / policy.max_demand_ratio), policy.max_demand_ratio)
-        if queued > trigger:
-            drain = policy.backlog_drain_s or max(inputs.pod_startup_s, 1.0)
-            extra = min(math.ceil(queued / (per_replica * drain)), policy.max_surge)
-        return _Backlog(ratio, extra, queued, growth)
+        drain_s = policy.backlog_drain_s or max(inputs.pod_startup_s, 1.0)
+        drain = 0
+        if queued > 0.0 and per_replica > 0.0:
+            drain = min(math.ceil(queued / (per_replica * drain_s)), policy.max_surge)
+        extra = drain if queued > trigger else 0
+        return _Backlog(ratio, extra, drain, free_at, queued, growth)

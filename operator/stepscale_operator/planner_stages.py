@@ -118,7 +118,9 @@ class Demand:
     survivors: LoadEstimate  # ``measured`` at the heavier request mix (scale-down judges it)
     horizon_s: float
     demand_ratio: float
-    backlog_replicas: int
+    backlog_replicas: int  # replicas that drain the queue, when it is a backlog now
+    backlog_drain_replicas: int  # the same, whether or not it is a backlog now
+    backlog_free_at: int  # the fewest serving replicas for which the queue is no backlog
     queued_prefill_tokens: float
     queue_growth_tokens_per_s: float
     forecast_ratio: float
@@ -138,6 +140,7 @@ class Demand:
             "queue_growth_tokens_per_s": self.queue_growth_tokens_per_s,
             "demand_ratio": self.demand_ratio,
             "backlog_replicas": self.backlog_replicas,
+            "backlog_free_at": self.backlog_free_at,
             "long_trend_ratio": self.long_trend_ratio,
             "forecast_ratio": self.forecast_ratio,
             "mix_ratio": self.mix_ratio,
@@ -197,6 +200,7 @@ class Floors:
     for_burst: bool  # a recurring burst due within a start-up set ``needed``
     for_measured_miss: bool  # a sustained measured miss set ``needed``
     scale_down_floor: int  # fewest replicas scale-down may leave
+    for_backlog: bool  # the queued backlog set ``scale_down_floor``
     measured_floor: int  # what the stabilization window remembers
     load_floor: int  # the floor without the burst memory (to tell which one binds)
 

@@ -207,6 +207,11 @@ def scale_down_or_hold(
             f"{policy.scale_down_stabilization_s:.0f}s stabilization window "
             f"(highest recent recommendation {stabilised})"
         )
+    elif floors.for_backlog:
+        why = (
+            f"hold: {total} replicas; fewer would leave a queued prefill backlog "
+            "that scale-up would add them back for"
+        )
     elif not need.reachable:
         why = (
             f"hold at maxReplicas {fleet.high}: predicted latency exceeds the SLO less "

@@ -1084,3 +1084,29 @@ def test_the_closed_loop_stops_adding_when_more_replicas_do_not_help() -> None:
         t += 5.0
     # One replica for the miss; it did not reduce the realized tail, so no more.
     assert len(added) == 1
+
+
+def test_a_scale_down_never_goes_below_what_scale_up_would_restore() -> None:
+    """No down-then-up on the same inputs. The demo showed 4 -> 3 with a prefill
+    backlog queued, then 3 -> 4 three seconds later "to drain the queued backlog":
+    scale-down judged the measured need alone, scale-up the need plus the backlog's
+    drain allowance. Whatever scale-up aims for, scale-down leaves."""
+    policy = PlannerPolicy(
+        initial_hold_s=0.0, scale_down_stabilization_s=0.0, scale_down_settle_s=0.0
+    )
+    downs, held = 0, 0
+    for rate in (2.0, 5.0, 10.0, 20.0):
+        for queued in (0.0, 20.0, 60.0, 150.0, 400.0):
+            for total in range(2, 14):
+                load = load_of(rate, queued=queued)
+                planner = Planner(policy)
+                d = planner.decide(inputs_for(load, total, now=0.0), now=0.0)
+                held += "fewer would leave a queued prefill backlog" in d.reason
+                if d.action != "scale_down":
+                    continue
+                downs += 1
+                after = inputs_for(load, d.desired_replicas, now=3.0)
+                again = planner.decide(after, now=3.0)
+                assert again.action != "scale_up", (rate, queued, total, d.reason, again.reason)
+    # The grid does exercise scale-down, and holds that say the queue is why.
+    assert downs > 20 and held > 0, (downs, held)
