@@ -45,8 +45,9 @@ def apply_floors(
     # with 485 prompts queued, the drain allowance counted by scale-up alone. And a
     # queue that is no backlog at this size can be one at a smaller size (the
     # trigger is per serving replica): there scale-up would add the allowance back.
-    backlog_floor = min(demand.backlog_free_at, need.needed + demand.backlog_drain_replicas)
-    backlog_floor = min(backlog_floor, need.search_high)
+    backlog_floor = min(
+        demand.backlog_free_at, need.needed + demand.backlog_drain_replicas, need.search_high
+    )
     floor = max(down_ok, needed, backlog_floor)
     # Whether the queue is what holds scale-down (the decision's reason says so).
     for_backlog = floor > down_ok and (demand.backlog_replicas > 0 or backlog_floor > needed)

@@ -90,16 +90,13 @@ def settled_mean(
     trace's thousands of prompts per window keep the window's mean.
     """
     total = sum(histogram)
-    if prompts <= 0.0 or total <= 0.0 or window_mean <= 0.0:
+    gap = window_mean - usual_mean
+    if prompts <= 0.0 or total <= 0.0 or window_mean <= 0.0 or gap == 0.0:
         return window_mean
     centers = prompt_bin_centers()
     mean = sum(c * h for c, h in zip(centers, histogram, strict=False)) / total
     variance = sum(h * (c - mean) ** 2 for c, h in zip(centers, histogram, strict=False)) / total
-    noise = variance / prompts
-    gap = window_mean - usual_mean
-    if gap == 0.0:
-        return window_mean
-    kept = max(0.0, 1.0 - noise / gap**2)
+    kept = max(0.0, 1.0 - variance / prompts / gap**2)
     return usual_mean + gap * kept
 
 
@@ -293,11 +290,10 @@ class DemandStage:
         free_at = math.ceil(waiting)
         if per_ready > 0.0:
             free_at = min(free_at, math.ceil(queued / per_ready))
-        trigger = math.inf if waiting <= ready else per_ready * ready
         ratio = 1.0
-        # Only a queue past the trigger means the fleet is or was behind; below it,
-        # queue changes are the noise of normal batching.
-        if recent > trigger and served > 0.0:
+        # Only a queue (now or of late) past the trigger means the fleet is or was
+        # behind; below it, queue changes are the noise of normal batching.
+        if waiting > ready and recent > per_ready * ready and served > 0.0:
             ratio = (served + growth) / served
             # A step in the arrivals shows in the newest seconds' balance long before
             # the window's: react to it (rises only; a drain is judged on the window).
@@ -307,5 +303,6 @@ class DemandStage:
         drain = 0
         if queued > 0.0 and per_replica > 0.0:
             drain = min(math.ceil(queued / (per_replica * drain_s)), policy.max_surge)
-        extra = drain if queued > trigger else 0
+        # A backlog now is one at the serving count: fewer serve than ``free_at``.
+        extra = drain if ready < free_at else 0
         return _Backlog(ratio, extra, drain, free_at, queued, growth)
