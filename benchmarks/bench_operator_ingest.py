@@ -465,6 +465,12 @@ def operator(
     rss, peak = rss_mb()
     window = {k: c1[k] - c0[k] for k in c1}
     cpu = cpu1 - cpu0
+    # What was still on its way when the publishers stopped (in their send queues,
+    # TCP buffers and ZMQ's): the operator's lag behind its engines, in messages and
+    # in seconds of what it received per second. Less the final heartbeats.
+    heartbeats = len(autoscalers) * args.pods * args.ranks
+    backlog = max(0, final["received"] - c1["received"] - heartbeats)
+    received_per_s = window["received"] / (wall1 - wall0)
     latencies.sort()
     out.put(
         {
@@ -472,7 +478,9 @@ def operator(
             "window_s": wall1 - wall0,
             "operator_cpu_s": cpu,
             "operator_cores": cpu / (wall1 - wall0),
-            "received_per_s": window["received"] / (wall1 - wall0),
+            "received_per_s": received_per_s,
+            "backlog_at_stop": backlog,
+            "lag_s": backlog / received_per_s if received_per_s > 0 else None,
             "ingested_per_s": window["ingested"] / (wall1 - wall0),
             "cpu_us_per_message": 1e6 * cpu / max(1, window["received"]),
             "rss_mb_median": statistics.median(rss_samples) if rss_samples else rss,
@@ -628,7 +636,8 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(
         f"{'run':>14} {'sent/s':>8} {'ingested/s':>10} {'cores':>6} {'us/msg':>7} "
         f"{'RSS MB':>7} {'peak':>6} {'p50 s':>6} {'p99 s':>6} {'rounds':>6} {'shed':>8} "
-        f"{'gaps':>8} {'stray':>6} {'rej':>5} {'reconn':>6} {'unacc':>6} {'shedding':>8}"
+        f"{'gaps':>8} {'stray':>6} {'rej':>5} {'reconn':>6} {'unacc':>6} {'shedding':>8} "
+        f"{'lag s':>6}"
     )
     for r in rows:
         f = r["final"]
@@ -639,7 +648,7 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             f"{r['round_latency_p50_s'] or 0:>6.3f} {r['round_latency_p99_s'] or 0:>6.3f} "
             f"{r['rounds']:>6} {f['shed']:>8} {f['gaps']:>8} {f['stray']:>6} "
             f"{f['rejected']:>5} {f['reconnects']:>6} {r['unaccounted']:>6} "
-            f"{r['rounds_status_shedding']:>8}"
+            f"{r['rounds_status_shedding']:>8} {r['lag_s'] or 0:>6.1f}"
         )
 
 

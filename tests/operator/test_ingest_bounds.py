@@ -302,3 +302,64 @@ def test_subscriber_threads_wait_while_a_decision_round_runs() -> None:
     # A round that never ends holds ingest back for at most the timeout.
     with priority.round():
         assert priority.wait_for_rounds(timeout_s=0.05) is True
+
+
+def test_decision_rounds_of_different_deployments_run_one_at_a_time() -> None:
+    """Overlapping rounds would share the GIL and the CPU: each would take as long as
+    all of them together. The second waits for the first to end."""
+    priority = RoundPriority()
+    first_in, release = threading.Event(), threading.Event()
+    second_in = threading.Event()
+
+    def first() -> None:
+        with priority.round():
+            first_in.set()
+            release.wait(30.0)
+
+    def second() -> None:
+        with priority.round():
+            second_in.set()
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert first_in.wait(30.0)
+    b = threading.Thread(target=second)
+    b.start()
+    assert not second_in.wait(0.2)  # held back while the first round runs
+    assert priority.running
+    release.set()
+    assert second_in.wait(30.0)
+    a.join(30.0)
+    b.join(30.0)
+    assert not priority.running
+
+
+def test_a_subscriber_thread_leaves_its_queue_to_a_running_round(
+    autoscaler: DeploymentAutoscaler, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a round of any deployment runs, the subscriber side ingests nothing (the
+    round takes the CPU first, and ingests this queue itself); it catches up after."""
+    priority = RoundPriority()
+    monkeypatch.setattr(autoscaler_module, "ROUNDS", priority)
+    pods(autoscaler, "a")
+    autoscaler.queue.put(clock.now, passes("a", 0, 50).matrices)
+    clock.now += autoscaler_module.INGEST_AFTER_S + 1.0  # old enough to be ingested
+    in_round, release = threading.Event(), threading.Event()
+
+    def other_deployments_round() -> None:
+        with priority.round():
+            in_round.set()
+            release.wait(30.0)
+
+    t = threading.Thread(target=other_deployments_round)
+    t.start()
+    try:
+        assert in_round.wait(30.0)
+        autoscaler._ingest_queued(clock.now)
+        assert len(autoscaler.queue) == 50  # left for later
+    finally:
+        release.set()
+        t.join(30.0)
+    autoscaler._ingest_queued(clock.now)
+    assert len(autoscaler.queue) == 0
+    assert autoscaler.totals()["messages"] == 50

@@ -258,8 +258,10 @@ class DeploymentAutoscaler:
         while len(self.queue) >= INGEST_AT_MESSAGES or (
             len(self.queue) and now - self._last_ingest >= INGEST_AFTER_S
         ):
-            if self._waiting or not self._lock.acquire(blocking=False):
-                return  # a round or a pod event wants it: it ingests, or the next batch will
+            if self._waiting or ROUNDS.running or not self._lock.acquire(blocking=False):
+                # A round (of any deployment: it goes first) or a pod event wants the
+                # CPU or the lock: it ingests, or the next batch will.
+                return
             try:
                 self._ingest_chunk(self.queue.chunk_messages)
                 self._last_ingest = now
