@@ -68,6 +68,7 @@ import msgspec
 import zmq
 
 from stepscale_engine import wire
+from stepscale_engine.publisher import BUSY_POLL_S
 from stepscale_operator import fpm_native
 
 TARGET_CPU_US = 20.0
@@ -153,8 +154,10 @@ def publish(
     out: Any,
     drained: Any,
     cpus: set[int] | None = None,
+    pacing: str = "plugin",
 ) -> None:
-    """Bind every target, then send ``rate`` msg/s round-robin until ``stop_at``.
+    """Bind every target, then send ``rate`` msg/s until ``stop_at``: paced as the
+    engine plugin sends (``plugin``) or evenly round-robin (``even``).
 
     The payloads are real FPM frames encoded once per target, with the counter
     patched per send: encoding each message anew would cost the publishers more
@@ -166,27 +169,47 @@ def publish(
     socks = bind_all(ctx, targets)
     templates = [frame_template(worker, port - BASE_PORT) for worker, _, port in targets]
     counters = [0] * len(targets)
+
+    def send(k: int) -> None:
+        payload, at = templates[k]
+        sequence = counters[k].to_bytes(8, "big")
+        payload[at : at + 8] = sequence
+        socks[k].send_multipart([b"", sequence, payload])
+        counters[k] += 1
+
     while time.time() < start_at:
         time.sleep(0.01)
     sent = 0
-    i = 0
     n = len(targets)
+    per_target = rate / n
     t0 = time.time()
-    while True:
-        now = time.time()
-        if now >= stop_at:
-            break
-        due = min(int((now - t0) * rate), sent + 20 * n)  # at most 20 rounds per turn
-        while sent < due:
-            k = i % n
-            i += 1
-            payload, at = templates[k]
-            sequence = counters[k].to_bytes(8, "big")
-            payload[at : at + 8] = sequence
-            socks[k].send_multipart([b"", sequence, payload])
-            counters[k] += 1
-            sent += 1
-        if sent >= int((time.time() - t0) * rate):
+    if pacing == "even":
+        # Round-robin, evenly spaced: each message its own TCP segment (the worst case).
+        i = 0
+        while time.time() < stop_at:
+            due = min(int((time.time() - t0) * rate), sent + 20 * n)  # <= 20 rounds a turn
+            while sent < due:
+                k = i % n
+                i += 1
+                send(k)
+                sent += 1
+            if sent >= int((time.time() - t0) * rate):
+                time.sleep(0.005)
+    else:
+        # As the engine plugin sends: each rank's sender thread wakes every
+        # BUSY_POLL_S and sends what its engine queued since, back to back (ZMQ
+        # writes them in few TCP segments); the ranks' wake-ups are spread out.
+        phase = [BUSY_POLL_S * k / n for k in range(n)]
+        flushes = [0] * n
+        while time.time() < stop_at:
+            now = time.time() - t0
+            for k in range(n):
+                if now < phase[k] + flushes[k] * BUSY_POLL_S:
+                    continue
+                flushes[k] += 1
+                for _ in range(int(now * per_target) - counters[k]):
+                    send(k)
+                    sent += 1
             time.sleep(0.005)
     # Then idle, as an engine with no work: a heartbeat per endpoint, and another
     # once the operator has drained what it received (one it sheds or one lost on
@@ -574,6 +597,7 @@ def run_rate(
                 out,
                 drained,
                 pub_cpus,
+                args.pacing,
             ),
         )
         for i in range(args.publishers)
@@ -701,6 +725,13 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="operator on one CPU, publishers on the others (where there are two or more)",
+    )
+    parser.add_argument(
+        "--pacing",
+        choices=("plugin", "even"),
+        default="plugin",
+        help="how each endpoint's messages are spaced: as the engine plugin sends them "
+        "(what it queued, every BUSY_POLL_S) or evenly (each its own TCP segment)",
     )
     parser.add_argument("--interval", type=float, default=10.0)
     parser.add_argument("--setup", type=float, default=8.0, help="seconds to bind and connect")
