@@ -16,9 +16,13 @@ What it builds, for each offered rate, in a fresh operator process:
 * ``--publishers`` publisher processes (separate processes) that bind every
   endpoint (one PUB socket each) and send real FPM frames
   (``stepscale_engine.wire``, encoded once per endpoint with the counter patched
-  per send) round-robin over the endpoints at the offered rate, then one
-  heartbeat per endpoint (as an idle engine sends), which shows the operator
-  what was lost at the end. With ``--pin`` (and two or more CPUs) the operator
+  per send) at the offered rate, then one heartbeat per endpoint (as an idle
+  engine sends), which shows the operator what was lost at the end. By default
+  each endpoint sends as the engine plugin's sender thread does: what its engine
+  queued, back to back, every ``BUSY_POLL_S`` (0.25 s), the endpoints' wake-ups
+  spread over that period; ``--pacing even`` spaces every message evenly
+  instead, each in its own TCP segment, which production does not produce (the
+  worst case for ZMQ's I/O thread). With ``--pin`` (and two or more CPUs) the operator
   runs on the first CPU and the publishers on the others.
 
 The operator process measures, over the window after ``--warmup`` seconds: its
@@ -27,8 +31,10 @@ thread included, none of the publishers'), hence cores and CPU microseconds per
 message received; its RSS (and peak); the round latencies; the messages its
 subscribers received, that its models ingested, that were shed (queue full),
 stray, and the sequence gaps (messages lost on the way: ZMQ high-water marks).
-``unaccounted`` is what the publishers sent that is neither ingested nor counted
-as a gap or a stray.
+``lag`` is what was still on its way when the publishers stopped (in their send
+queues, TCP buffers and ZMQ's), in seconds of what the operator received per
+second: how far behind the engines it decides. ``unaccounted`` is what the
+publishers sent that is neither ingested nor counted as a gap or a stray.
 
 Process CPU per message is the figure to compare: the machine may be shared, so
 wall-clock throughput says little; medians of the rounds are reported. After the
