@@ -359,6 +359,7 @@ def operator(
         autoscalers.append(a)
     metrics = OperatorMetrics()
     latencies: list[float] = []
+    timeline: list[tuple[float, float]] = []  # (seconds since start, latency) per round
     status_bytes: list[int] = []
     shedding_rounds: list[bool] = []  # per measured round: did status say it sheds?
     # Per measured round, where its latency went: (woke late, decide(), the rest).
@@ -418,6 +419,7 @@ def operator(
             done = time.time()
             if due >= measure_from and done <= stop_at:
                 latencies.append(done - due)
+                timeline.append((round(due - start_at, 2), round(done - due, 3)))
                 status_bytes.append(len(json.dumps(status)))
                 shedding_rounds.append(bool(status["streams"]["shedding"]))
                 round_parts.append((woke - due, decided - woke, done - decided))
@@ -538,6 +540,7 @@ def operator(
                 for values in [sorted(p[i] for p in round_parts)]
             },
             "rounds_status_shedding": sum(shedding_rounds),
+            "round_timeline": sorted(timeline),
             "window": window,
             "final": final,
         }
