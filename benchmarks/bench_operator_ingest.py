@@ -43,8 +43,10 @@ rates come:
 * an **overload** run: ``--overload`` msg/s offered to an operator held to
   ``--overload-cpu-limit`` cores by a CFS quota (what a CPU limit on its pod
   does), because these few cores cannot offer twice what a whole core takes. It
-  must degrade by counted shedding or gaps, with its rounds on time, its memory
-  bounded and its status saying it sheds;
+  must degrade by counted shedding or gaps, never by stalled decisions (every
+  round done within its interval; the p99 is printed, judged against 1 s only
+  in the runs that are not overloaded), its memory bounded and its status
+  saying it sheds;
 * **oversize** runs: besides the first rate, one more endpoint sends
   ``--oversize-frames`` frames of each ``--oversize-bytes`` size as fast as ZMQ
   takes them (1 MiB: over the socket's maximum message size; 100 KiB: under it,
@@ -507,6 +509,7 @@ def operator(
         {
             "rate": rate,
             "window_s": wall1 - wall0,
+            "interval_s": args.interval,
             "operator_cpu_s": cpu,
             "operator_cores": cpu / (wall1 - wall0),
             "received_per_s": received_per_s,
@@ -692,12 +695,24 @@ def judge(rows: list[dict[str, Any]]) -> dict[str, bool]:
     verdict = {
         "cpu_us_per_message": all(r["cpu_us_per_message"] <= TARGET_CPU_US for r in normal),
         "rss_mb": all(r["rss_mb_peak"] <= TARGET_RSS_MB for r in rows),
-        "round_p99_s": all((r["round_latency_p99_s"] or 1e9) <= TARGET_P99_ROUND_S for r in rows),
+        "round_p99_s": all(
+            (r["round_latency_p99_s"] or 1e9) <= TARGET_P99_ROUND_S
+            for r in rows
+            if r["kind"] != "overload"
+        ),
         "nothing_unaccounted": all(r["unaccounted"] == 0 for r in rows),
     }
     if overload:
-        # Overloaded means offered at least twice what it ingested.
+        # Overloaded means offered at least twice what it ingested; it must then shed
+        # (counted, and said on status), not stall: every round done within its interval.
         verdict["overload_2x"] = all(r["sent_per_s"] >= 2 * r["ingested_per_s"] for r in overload)
+        verdict["overload_sheds_and_says_so"] = all(
+            r["final"]["shed"] + r["final"]["gaps"] > 0 and r["rounds_status_shedding"] > 0
+            for r in overload
+        )
+        verdict["overload_no_round_stalls"] = all(
+            (r["round_latency_max_s"] or 1e9) < r["interval_s"] for r in overload
+        )
     return verdict
 
 
@@ -708,7 +723,7 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=50)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--publishers", type=int, default=2)
-    parser.add_argument("--rates", default="5000,10000,20000,40000")
+    parser.add_argument("--rates", default="5000,10000,20000,50000")
     parser.add_argument(
         "--overload",
         type=float,
