@@ -82,6 +82,7 @@ from stepscale_operator import fpm_native
 TARGET_CPU_US = 20.0
 TARGET_RSS_MB = 500.0
 TARGET_P99_ROUND_S = 1.0
+DRAIN_MAX_S = 150.0  # the longest the operator waits for what is still on its way
 BASE_PORT = 23000
 
 
@@ -231,7 +232,7 @@ def publish(
             socks[k].send_multipart([b"", sequence, payload])
             counters[k] += 1
             sent += 1
-        drained.wait(120.0)
+        drained.wait(DRAIN_MAX_S + 30.0)
     out.put({"sent": sent})
     time.sleep(1.0)  # let the last frames leave before the sockets close
     for s in socks:
@@ -479,14 +480,14 @@ def operator(
         queued_samples.append(sum(a.queue.bytes for a in autoscalers) / 2**20)
     cpu1, wall1, c1 = time.process_time(), time.time(), counts()
     gc.callbacks.remove(on_gc)
-    # Wait for the publishers' last frames and heartbeats to be received (up to a
-    # minute each under overload) and ingest them, twice (see publish), so that the
-    # accounting can close.
+    # Wait for the publishers' last frames and heartbeats to be received (up to
+    # DRAIN_MAX_S each: under overload the operator lags a minute or more behind)
+    # and ingest them, twice (see publish), so that the accounting can close.
     stop.set()
     for _ in range(2):
         received, quiet_since = -1, time.time()
         began = quiet_since
-        while time.time() - quiet_since < 3.0 and time.time() - began < 60.0:
+        while time.time() - quiet_since < 3.0 and time.time() - began < DRAIN_MAX_S:
             time.sleep(0.5)
             now_received = counts()["received"]
             if now_received != received:
