@@ -11,9 +11,9 @@ share. So, while any round runs:
   round takes what it needs of the CPU first;
 * rounds of other deployments wait their turn: overlapping rounds would share
   the GIL and the CPU, and each would take as long as all of them together.
-  Under a 0.1-core limit and 4x overload (benchmarks/bench_operator_ingest.py),
-  one at a time took the round p99 from 6.0-8.7 s to 3.4-3.6 s and the messages
-  received per second from 12.5k to 19k (the rest shed, counted, instead of
+  With both, under a 0.1-core limit and 4x overload (benchmarks/bench_operator_ingest.py,
+  evenly paced), the round p99 went from 6.0-8.7 s to 2.9-3.6 s and the messages
+  received per second from 12.5k to 19k (the excess shed, counted, instead of
   waiting in ZMQ).
 
 Rounds are short (tens of milliseconds), so in normal operation this costs ingest
