@@ -657,8 +657,25 @@ def run_rate(
     row["sent_per_s"] = row["sent"] / (args.warmup + args.duration)
     row["oversize_sent"] = sum(r.get("oversize_sent", 0) for r in results)
     final = row["final"]
-    row["unaccounted"] = row["sent"] - final["ingested"] - final["gaps"] - final["stray"]
+    row["unaccounted"] = unaccounted(row["sent"], final)
     return row
+
+
+def unaccounted(sent: int, final: dict[str, int]) -> int:
+    """Messages sent that the operator neither ingested nor counted.
+
+    What it received (less the oversize frames it rejected, which ``sent`` leaves
+    out) must be ingested, shed or stray; what it did not receive must show as
+    sequence gaps. A shed message also shows as a gap once a later one of its
+    stream is ingested, so only the gaps beyond the shed ones count as losses on
+    the way.
+    """
+    received = final["received"] - final["rejected"]
+    not_received = sent - received
+    gaps_on_the_way = max(0, final["gaps"] - final["shed"])
+    return abs(received - final["ingested"] - final["shed"] - final["stray"]) + max(
+        0, not_received - gaps_on_the_way
+    )
 
 
 def print_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
