@@ -83,6 +83,7 @@ TARGET_CPU_US = 20.0
 TARGET_RSS_MB = 500.0
 TARGET_P99_ROUND_S = 1.0
 DRAIN_MAX_S = 150.0  # the longest the operator waits for what is still on its way
+HEARTBEAT_ROUNDS = 2  # heartbeats per endpoint after the load (see publish)
 BASE_PORT = 23000
 
 
@@ -179,8 +180,8 @@ def publish(
     templates = [frame_template(worker, port - BASE_PORT) for worker, _, port in targets]
     counters = [0] * len(targets)
 
-    def send(k: int) -> None:
-        payload, at = templates[k]
+    def send(k: int, template: tuple[bytearray, int] | None = None) -> None:
+        payload, at = template or templates[k]
         sequence = counters[k].to_bytes(8, "big")
         payload[at : at + 8] = sequence
         socks[k].send_multipart([b"", sequence, payload])
@@ -223,14 +224,10 @@ def publish(
     # Then idle, as an engine with no work: a heartbeat per endpoint, and another
     # once the operator has drained what it received (one it sheds or one lost on
     # the way shows no gap), so that it can tell that every frame lost was lost.
-    for _ in range(2):
+    for _ in range(HEARTBEAT_ROUNDS):
         time.sleep(1.0)
         for k, (worker, _, port) in enumerate(targets):
-            payload, at = frame_template(worker, port - BASE_PORT, heartbeat=True)
-            sequence = counters[k].to_bytes(8, "big")
-            payload[at : at + 8] = sequence
-            socks[k].send_multipart([b"", sequence, payload])
-            counters[k] += 1
+            send(k, frame_template(worker, port - BASE_PORT, heartbeat=True))
             sent += 1
         drained.wait(DRAIN_MAX_S + 30.0)
     out.put({"sent": sent})
@@ -484,7 +481,7 @@ def operator(
     # DRAIN_MAX_S each: under overload the operator lags a minute or more behind)
     # and ingest them, twice (see publish), so that the accounting can close.
     stop.set()
-    for _ in range(2):
+    for _ in range(HEARTBEAT_ROUNDS):
         received, quiet_since = -1, time.time()
         began = quiet_since
         while time.time() - quiet_since < 3.0 and time.time() - began < DRAIN_MAX_S:
@@ -502,7 +499,7 @@ def operator(
     # What was still on its way when the publishers stopped (in their send queues,
     # TCP buffers and ZMQ's): the operator's lag behind its engines, in messages and
     # in seconds of what it received per second. Less the final heartbeats.
-    heartbeats = len(autoscalers) * args.pods * args.ranks
+    heartbeats = HEARTBEAT_ROUNDS * len(autoscalers) * args.pods * args.ranks
     backlog = max(0, final["received"] - c1["received"] - heartbeats)
     received_per_s = window["received"] / (wall1 - wall0)
     latencies.sort()

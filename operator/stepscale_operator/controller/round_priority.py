@@ -67,7 +67,7 @@ class RoundPriority:
 
     def wait_for_rounds(self, timeout_s: float = MAX_PAUSE_S) -> bool:
         """Block while rounds run (at most ``timeout_s``); True if one was running."""
-        if not self._running:  # the common case, without taking the condition's lock
+        if not self.running:  # the common case, without taking the condition's lock
             return False
         with self._idle:
             self._idle.wait_for(lambda: self._running == 0, timeout_s)
