@@ -38,6 +38,8 @@ ENGINE_ARGS: dict[str, Any] = dict(
 )
 MAX_PROMPT_TOKENS = 1536
 MAX_OUTPUT_TOKENS = 256
+# Flat-out probes at start; the fastest is the capacity (see _replay).
+CAPACITY_PROBES = 3
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,13 @@ def _replay(probe_prompt: int, probe_output: int) -> int:
     )
     engine = llm.llm_engine
     _warm_up(engine, SamplingParams)
-    capacity = _throughput(engine, SamplingParams, probe_prompt, probe_output)
+    # The fastest of a few probes: on a shared machine noise only slows a probe, and
+    # one slowed probe (26 req/s against 41 served later in one CI-class run) made
+    # the demo's "overload" one the engine kept up with.
+    capacity = max(
+        _throughput(engine, SamplingParams, probe_prompt, probe_output, probe)
+        for probe in range(CAPACITY_PROBES)
+    )
     print(f"READY {capacity:.4f}", flush=True)
     schedule_path = sys.stdin.readline().split(maxsplit=1)[1].strip()
     schedule = [tuple(r) for r in json.loads(Path(schedule_path).read_text())]
@@ -230,14 +238,16 @@ def _warm_up(engine: Any, sampling_params: Any) -> None:
         engine.step()
 
 
-def _throughput(engine: Any, sampling_params: Any, prompt_len: int, output_len: int) -> float:
+def _throughput(
+    engine: Any, sampling_params: Any, prompt_len: int, output_len: int, probe: int = 0
+) -> float:
     """Requests per second served flat out: a full batch of ``(prompt_len,
     output_len)`` requests submitted at once. This machine's speed, not a constant,
     decides what overloads it (a shared or faster machine differs by 2x and more)."""
     n = int(ENGINE_ARGS["max_num_seqs"])
     for k in range(n):
         engine.add_request(
-            f"probe-{k}",
+            f"probe-{probe}-{k}",
             {"prompt_token_ids": [1 + (i * 13 + k) % 999 for i in range(prompt_len)]},
             sampling_params(max_tokens=output_len, ignore_eos=True, temperature=0.0),
         )
