@@ -478,6 +478,11 @@ def load_meta(path: Path) -> dict[str, Any]:
         return {}
 
 
+def _short_name(recording: str) -> str:
+    """A recording's file name without directory, suffixes or the kept files' prefix."""
+    return Path(recording).name.split(".")[0].removeprefix("fpm_recording_")[:21]
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     """A summary line per recording, then one block per recording with every method."""
     print(
@@ -495,7 +500,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
         nl = r.get("model_mape_over_noise_floor_nonlocal")
         nl_txt = f"{nl:>9.2f}" if isinstance(nl, float) else f"{'-':>9}"
         print(
-            f"{Path(str(r['recording'])).name.split('.')[0][:21]:<22}{m['n']:>7}"
+            f"{_short_name(str(r['recording'])):<22}{m['n']:>7}"
             f"{m['mape']:>8.1%}{m['median_ape']:>8.1%}{pct(m['median_signed'])}"
             f"{pct(sr['prefill'])}{pct(sr['decode'])}{pct(sr['small_decode'])}{nl_txt}"
             f"{r['all']['ew_ols']['mape']:>8.1%}{r['all']['baseline']['mape']:>8.1%}"
