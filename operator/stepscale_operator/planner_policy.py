@@ -87,7 +87,10 @@ class PlannerPolicy:
     # A router that balances requests (least outstanding, round robin) splits the
     # fleet's Poisson arrivals into per-replica streams with interarrival CV^2 of
     # about 1/replicas (exactly, for round robin: Erlang-n gaps); a random spread
-    # (kube-proxy) leaves each replica Poisson (CV^2 = 1).
+    # (kube-proxy) leaves each replica Poisson (CV^2 = 1). Least outstanding (an
+    # inference gateway, the simulator's router) also keeps a prompt off a replica
+    # that is prefilling while another holds nothing; round robin does not, and
+    # leaves prompts over many idle replicas a little more TTFT than planned.
     balanced_routing: bool = True
     # The ITL tail is set by short requests: plan for one with this share of the
     # mean output length. Calibrated so the predicted p99 ITL of a 30 s window is

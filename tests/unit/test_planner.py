@@ -13,6 +13,7 @@ from stepscale_operator.latency_model import (
     EngineLimits,
     PerReplicaLoad,
     SloTargets,
+    all_replicas_occupied,
     predict_latency,
     smallest_replicas_within_slo,
 )
@@ -686,6 +687,43 @@ def test_a_balancing_router_makes_each_replica_queue_less_than_poisson() -> None
     assert of_eight.ttft_mean_ms - _wait_free_ttft_ms(per) == pytest.approx(
         service * (1.0 / 8.0 + 1.0) / 2.0, rel=1e-6
     )
+
+
+def test_all_replicas_are_occupied_only_when_the_fleet_holds_enough_requests() -> None:
+    assert all_replicas_occupied(1, 0.01, 1.0) == 1.0  # one replica: every arrival joins it
+    assert all_replicas_occupied(20, 0.1, 1.0) < 1e-6  # 2 requests over 20 replicas
+    assert all_replicas_occupied(20, 3.0, 1.0) > 0.999  # 60 requests over 20
+    assert all_replicas_occupied(20, 0.0, 1.0) == 0.0
+    # The same 10 requests spread over more replicas leave more of them empty ...
+    chances = [all_replicas_occupied(n, 10.0 / n, 1.0) for n in (2, 5, 8, 10, 12, 20, 40)]
+    assert chances == sorted(chances, reverse=True) and chances[0] > 0.99
+    assert chances[-1] < 1e-6
+    # ... and bursty arrivals (dispersion 4) fill them all more often than Poisson ones.
+    assert all_replicas_occupied(12, 10.0 / 12, 4.0) > all_replicas_occupied(12, 10.0 / 12, 1.0)
+
+
+def test_a_balancing_router_sends_long_prompts_to_empty_replicas() -> None:
+    """Rare long prompts over many replicas: behind a balancing router a prompt waits
+    for another's prefill only when no replica is empty, which almost never happens
+    here; spread at random it lands on a replica still prefilling as often as that
+    replica is busy (the per-replica queue's own chance). The old model gave both the
+    random spread's wait, and its TTFT quantile asked for 52 replicas where a static
+    fleet of 18 served every prompt that could be served in time (the long-context
+    scenario of bench_policies.py)."""
+    fleet = load_of(3.0, prompt=20_000.0, output=200.0)  # 8% prefill busy per replica
+    replicas = 24
+    per = PerReplicaLoad.from_estimate(fleet, replicas)
+    balanced = predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), replicas)
+    random_spread = predict_latency(
+        LinearStepTime(), per, ENGINE, PlannerPolicy(balanced_routing=False), replicas
+    )
+    assert balanced.feasible and random_spread.feasible
+    wait_free = _wait_free_ttft_ms(per)
+    random_wait = random_spread.ttft_mean_ms - wait_free
+    assert random_wait > 10.0  # ms: it queues behind prefills in progress
+    assert balanced.ttft_mean_ms - wait_free < 0.01 * random_wait  # it does not
+    assert balanced.ttft_ms < random_spread.ttft_ms
+    assert balanced.itl_mean_ms == pytest.approx(random_spread.itl_mean_ms)  # queueing only
 
 
 def _wait_free_ttft_ms(per: PerReplicaLoad) -> float:
