@@ -249,16 +249,23 @@ def all_replicas_occupied(replicas: int, in_replica: float, dispersion: float) -
     ``in_replica`` is the mean number of requests a replica holds (decoding,
     prefilling or waiting). The fleet's count is taken as normal with that mean
     times ``replicas`` and the variance of a count with the arrivals' dispersion
-    (Poisson: variance = mean), so bursty arrivals fill every replica more often.
-    One replica is always "every replica".
+    (Poisson: variance = mean), shifted by what an arrival sees beyond the time
+    average: Poisson arrivals see the time average, but one arriving in a clump
+    also finds the rest of its clump (``dispersion - 1`` more, over a second). So
+    bursty arrivals fill every replica more often. One replica is always "every
+    replica".
     """
     if replicas <= 1:
         return 1.0
     mean = replicas * max(in_replica, 0.0)
     if mean <= 0.0:
         return 0.0
-    spread = math.sqrt(mean * max(dispersion, 1.0))
-    return 1.0 - NormalDist(mean, spread).cdf(replicas - 0.5)
+    clumping = max(dispersion, 1.0)
+    # An arrival of a clump also finds the rest of its clump: over a second, the
+    # others an arrival sees exceed the time average by dispersion - 1 (0: Poisson).
+    seen = mean + clumping - 1.0
+    spread = math.sqrt(mean * clumping)
+    return 1.0 - NormalDist(seen, spread).cdf(replicas - 0.5)
 
 
 def no_replicas_prediction() -> LatencyPrediction:

@@ -698,8 +698,11 @@ def test_all_replicas_are_occupied_only_when_the_fleet_holds_enough_requests() -
     chances = [all_replicas_occupied(n, 10.0 / n, 1.0) for n in (2, 5, 8, 10, 12, 20, 40)]
     assert chances == sorted(chances, reverse=True) and chances[0] > 0.99
     assert chances[-1] < 1e-6
-    # ... and bursty arrivals (dispersion 4) fill them all more often than Poisson ones.
+    # ... and bursty arrivals (dispersion 4) fill them all more often than Poisson ones:
+    # an arrival in a clump finds the rest of its clump too.
     assert all_replicas_occupied(12, 10.0 / 12, 4.0) > all_replicas_occupied(12, 10.0 / 12, 1.0)
+    assert all_replicas_occupied(12, 0.0, 4.0) == 0.0  # nothing held: an empty replica waits
+    assert all_replicas_occupied(6, 4.0 / 6, 8.0) > 0.5  # 4 held + a clump of ~7 others
 
 
 def test_a_balancing_router_sends_long_prompts_to_empty_replicas() -> None:
