@@ -207,13 +207,15 @@ def _overloaded(replicas: int, bottleneck: str, step_s: float, batch: float) -> 
 
 
 def _ttft_exceedance(
-    services: list[tuple[float, float]], wait_mean: float, rho: float, floor: float
+    services: list[tuple[float, float]], wait_mean: float, p_wait: float, floor: float
 ) -> Callable[[float], float]:
     """P(wait + service + floor > t) as a function of t (seconds).
 
-    The wait's tail is exponential, P(W > w) = rho * exp(-w * rho / wait_mean)
-    (the M/G/1 heavy-traffic shape behind Kingman's mean); the service is drawn
-    from ``services`` ((seconds, probability), probabilities summing to 1).
+    The wait's tail is exponential, P(W > w) = p_wait * exp(-w * p_wait / wait_mean)
+    (the M/G/1 heavy-traffic shape behind Kingman's mean, where the chance of
+    waiting at all is the utilisation); ``p_wait`` is that chance and ``wait_mean``
+    the mean over all prompts, waiting or not. The service is drawn from
+    ``services`` ((seconds, probability), probabilities summing to 1).
     """
 
     def exceed(t: float) -> float:
@@ -222,8 +224,8 @@ def _ttft_exceedance(
             w = t - s - floor
             if w < 0.0:
                 total += p
-            elif wait_mean > 0.0 and rho > 0.0:
-                total += p * min(1.0, rho * math.exp(-w * rho / wait_mean))
+            elif wait_mean > 0.0 and p_wait > 0.0:
+                total += p * min(1.0, p_wait * math.exp(-w * p_wait / wait_mean))
         return total
 
     return exceed
@@ -261,9 +263,7 @@ def all_replicas_occupied(replicas: int, in_replica: float, dispersion: float) -
     if mean <= 0.0:
         return 0.0
     clumping = max(dispersion, 1.0)
-    # An arrival of a clump also finds the rest of its clump: over a second, the
-    # others an arrival sees exceed the time average by dispersion - 1 (0: Poisson).
-    seen = mean + clumping - 1.0
+    seen = mean + clumping - 1.0  # what an arrival finds: the time average and its clump
     spread = math.sqrt(mean * clumping)
     return 1.0 - NormalDist(seen, spread).cdf(replicas - 0.5)
 
@@ -414,13 +414,13 @@ def predict_latency(
     wait_mean = rho * service * (arrival_cv2 + service_cv2) / (2.0 * (1.0 - rho))
     # A balancing router sends a prompt to an empty replica while there is one: it
     # waits behind another prompt's prefill only when every replica holds a request.
-    # Scaling the wait's probability (not its conditional length) by that chance.
+    # That scales the chance of waiting (rho for one queue), not how long a wait is.
     occupied = 1.0
     if policy.balanced_routing:
         in_replica = batch + rho + rate * wait_mean
         occupied = all_replicas_occupied(replicas, in_replica, dispersion)
     wait_mean *= occupied
-    rho_wait = rho * occupied
+    p_wait = rho * occupied
     ttft_mean = wait_mean + service + f_d / 2.0
     unreachable = 0.0
     reachable = services
@@ -434,17 +434,17 @@ def predict_latency(
         mass = sum(p for _, p in reachable)
         if mass > 0.0:
             spread_services = [(t, p / mass) for t, p in reachable]
-            exceed = _ttft_exceedance(spread_services, wait_mean, rho_wait, f_d)
-            start = max(t for t, _ in reachable) + f_d + 2.0 * wait_mean / max(rho_wait, 1e-9)
+            exceed = _ttft_exceedance(spread_services, wait_mean, p_wait, f_d)
+            start = max(t for t, _ in reachable) + f_d + 2.0 * wait_mean / max(p_wait, 1e-9)
             ttft_q = _ttft_quantile(exceed, start, q_tail)
         else:
             exceed = None
             ttft_q = math.inf
     else:
         exceed = _ttft_exceedance(
-            [(service * policy.prompt_tail_ratio, 1.0)], wait_mean, rho_wait, f_d
+            [(service * policy.prompt_tail_ratio, 1.0)], wait_mean, p_wait, f_d
         )
-        wait_q = (wait_mean / rho_wait) * math.log(rho_wait / q_tail) if rho_wait > q_tail else 0.0
+        wait_q = (wait_mean / p_wait) * math.log(p_wait / q_tail) if p_wait > q_tail else 0.0
         ttft_q = wait_q + service * policy.prompt_tail_ratio + f_d
     # Of the requests that can meet the limit, the share predicted to miss it.
     ttft_miss = 0.0
