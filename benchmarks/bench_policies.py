@@ -544,23 +544,27 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = [sc for sc in scenarios if sc[0] in wanted]
 
     began = time.perf_counter()
-    sizings: dict[str, dict[str, float]] = {}
+    sizings: dict[str, dict[str, object]] = {}
     sweeps: dict[str, list[str]] = {}
     for name, traffic, setup in scenarios:
-        sizing = ground_truth_sizing(traffic, setup, H100_LLAMA_8B, PlannerPolicy(), seed=args.seed)
+        sizing = ground_truth_sizing(traffic, setup, H100_LLAMA_8B, seed=args.seed)
         _SCENARIOS[name] = (traffic, sizing, setup)
         sweeps[name] = static_sweep(sizing)
         sizings[name] = {
-            "capacity_rps_per_replica": sizing.capacity_rps,
-            "calibrated_at_replicas": float(sizing.calibrated_at_replicas),
+            "capacity_rps_per_replica_by_size": {
+                str(n): c
+                for n, c in zip(sizing.capacity.sizes, sizing.capacity.per_replica_rps, strict=True)
+            },
+            "fit_factor": sizing.fit_factor,
             "peak_need": float(sizing.needs.max()),
             "calibration_wall_s": sizing.wall_s,
         }
         print(
             f"{name}: {len(traffic)} requests, {traffic.duration_s:.0f} s, "
-            f"{len(traffic) / traffic.duration_s:.1f} req/s; ground-truth capacity "
-            f"{sizing.capacity_rps:.2f} req/s per replica (measured on "
-            f"{sizing.calibrated_at_replicas} replicas in {sizing.wall_s:.0f} s), "
+            f"{len(traffic) / traffic.duration_s:.1f} req/s; ground-truth capacity per "
+            f"replica by fleet size {{{sizing.capacity.describe()}}} req/s "
+            f"({sizing.fit_factor:.2f}x the steady stretches'; measured in "
+            f"{sizing.wall_s:.0f} s), "
             f"peak need {sizing.needs.max()}; static sweep {sweeps[name]}",
             file=sys.stderr,
         )

@@ -165,7 +165,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         "--calibration-iterations",
         type=positive_int,
         default=Calibration.iterations,
-        help="bisection steps of that measurement",
+        help="bisection steps of that measurement (and, up to "
+        f"{Calibration.fit_iterations}, of fitting its level to the whole traffic)",
     )
     p.add_argument(
         "--plot",
@@ -350,6 +351,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         duration_s=args.calibration_s,
         warmup_s=min(Calibration.warmup_s, args.calibration_s / 5.0),
         iterations=args.calibration_iterations,
+        fit_iterations=min(args.calibration_iterations, Calibration.fit_iterations),
     )
     try:
         runs = run_policies(

@@ -14,8 +14,8 @@
   prediction says would miss the SLO (it would undo it on the next tick: a
   2 -> 1 -> 2 flap on small fleets).
 * ``oracle``: knows the future arrival rate; starts replicas exactly one start-up
-  time ahead, sized by the *ground-truth* capacity (per-replica rate at which the
-  simulated fleet meets the attainment target on this request mix), and removes
+  time ahead, sized by the *ground-truth* capacity (the rate at which a simulated
+  fleet of each size meets the attainment target on this traffic), and removes
   them as soon as the future allows (no stabilization): the lower bound on
   GPU-hours at the target attainment.
 * ``oracle+window`` (a bound, not a baseline): the oracle, but it removes capacity
@@ -34,6 +34,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -47,20 +48,18 @@ from stepscale_operator.latency_model import (
     SloTargets,
     StepTimePredictor,
     predict_latency,
-    smallest_replicas_within_slo,
 )
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner import Planner, PlannerInputs, PlannerPolicy, ReplicaCounts
 from stepscale_operator.simulator.fleet import (
-    Fleet,
-    FleetConfig,
     FleetView,
     SimResult,
-    frontend_estimate,
 )
-from stepscale_operator.simulator.ground_truth import StepTimeProfile
 from stepscale_operator.simulator.report import request_latencies
 from stepscale_operator.simulator.traffic import Traffic
+
+if TYPE_CHECKING:  # capacity.py calibrates with the policies here
+    from stepscale_operator.simulator.capacity import CapacityCurve
 
 
 @dataclass(frozen=True)
@@ -209,187 +208,6 @@ class DynamoPolicy(_NoFpm):
         return predict_latency(self.predictor, per, self.setup.limits, self.policy, replicas)
 
 
-def needed_replicas_series(
-    traffic: Traffic,
-    setup: ScalingSetup,
-    predictor: StepTimePredictor,
-    policy: PlannerPolicy,
-    bucket_s: float = 10.0,
-    window_s: float = 60.0,
-) -> npt.NDArray[np.int64]:
-    """Replicas the capacity model needs for the true load of each ``bucket_s`` slot.
-
-    Slot ``k`` is sized for the arrivals in ``[k*bucket_s, k*bucket_s + window_s)``.
-    """
-    n = max(1, math.ceil(traffic.duration_s / bucket_s))
-    arrivals = traffic.arrival_s
-    out = np.zeros(n, dtype=np.int64)
-    for k in range(n):
-        start = k * bucket_s
-        lo = int(np.searchsorted(arrivals, start))
-        hi = int(np.searchsorted(arrivals, start + window_s))
-        # The last slots see only the rest of the traffic: rate over what is left.
-        span = min(window_s, traffic.duration_s - start)
-        load = frontend_estimate(traffic, lo, hi, max(span, bucket_s))
-        if load is None or hi <= lo:
-            out[k] = setup.min_replicas
-            continue
-
-        def meets(replicas: int, est: LoadEstimate = load) -> bool:
-            per = PerReplicaLoad.from_estimate(est, replicas)
-            pred = predict_latency(predictor, per, setup.limits, policy, replicas)
-            return pred.within(setup.slo, policy.margin)
-
-        need, _ = smallest_replicas_within_slo(meets, 1, setup.max_replicas)
-        out[k] = max(need, setup.min_replicas)
-    return out
-
-
-def flat_mix_traffic(
-    traffic: Traffic, rate_rps: float, duration_s: float, seed: int = 0
-) -> Traffic:
-    """Poisson arrivals at a constant rate with request lengths drawn from ``traffic``."""
-    rng = np.random.default_rng(seed)
-    n = int(rng.poisson(max(rate_rps, 1e-9) * duration_s))
-    t = np.sort(rng.uniform(0.0, duration_s, n))
-    pick = rng.integers(0, max(len(traffic), 1), n)
-    return Traffic(
-        t, traffic.prompt_tokens[pick], traffic.output_tokens[pick], duration_s, "flat-mix"
-    )
-
-
-def steady_segments(
-    traffic: Traffic, rate_rps: float, duration_s: float, count: int = 2, candidates: int = 40
-) -> list[Traffic]:
-    """The ``count`` steadiest stretches of ``traffic`` replayed at ``rate_rps``.
-
-    Each holds ``rate_rps * duration_s`` consecutive requests of the traffic, their
-    arrival times linearly rescaled onto ``[0, duration_s)``: the traffic's own
-    request mix and short-term clustering (e.g. the jittered copies of a
-    rate-scaled trace), at a chosen mean rate. "Steadiest": least variation of the
-    arrival counts over ten equal sub-spans, so a segment is not a burst.
-    """
-    n = int(round(rate_rps * duration_s))
-    total = len(traffic)
-    if n < 2 or total < n + 1:
-        return [flat_mix_traffic(traffic, rate_rps, duration_s)]
-    starts = np.linspace(0, total - n, candidates).astype(np.int64)
-    scored: list[tuple[float, int]] = []
-    for i in starts:
-        t = traffic.arrival_s[i : i + n]
-        span = float(t[-1] - t[0])
-        if span <= 0.0:
-            continue
-        counts = np.bincount(
-            np.minimum(((t - t[0]) / span * 10.0).astype(np.int64), 9), minlength=10
-        )
-        scored.append((float(counts.std() / max(counts.mean(), 1e-9)), int(i)))
-    scored.sort()
-    out: list[Traffic] = []
-    for _, i in scored[:count]:
-        t = traffic.arrival_s[i : i + n]
-        span = max(float(t[-1] - t[0]), 1e-9)
-        rescaled = (t - t[0]) * (duration_s * (n - 1) / n / span)
-        out.append(
-            Traffic(
-                rescaled,
-                traffic.prompt_tokens[i : i + n],
-                traffic.output_tokens[i : i + n],
-                duration_s,
-                "segment",
-            )
-        )
-    return out
-
-
-def _flat_attainment(
-    traffic: Traffic,
-    setup: ScalingSetup,
-    profile: StepTimeProfile,
-    replicas: int,
-    per_replica_rps: float,
-    duration_s: float,
-    warmup_s: float,
-    seed: int,
-) -> float:
-    """Share of requests within both SLOs on ``replicas`` replicas at a steady rate
-    (the traffic's steadiest stretches replayed at that rate, after a warm-up)."""
-    met = counted = 0
-    for segment in steady_segments(traffic, per_replica_rps * replicas, duration_s):
-        config = FleetConfig(
-            initial_replicas=replicas,
-            startup_s=setup.startup_s,
-            limits=setup.limits,
-            profile=profile,
-            seed=seed,
-        )
-        result = Fleet(segment, StaticPolicy(replicas), config).run()
-        lat = request_latencies(result)
-        keep = segment.arrival_s >= warmup_s
-        ttft_ok = np.nan_to_num(lat.ttft_ms[keep], nan=np.inf) <= setup.slo.ttft_ms
-        itl_ok = np.nan_to_num(lat.itl_ms[keep], nan=np.inf) <= setup.slo.itl_ms
-        met += int((ttft_ok & itl_ok).sum())
-        counted += int(keep.sum())
-    return met / counted if counted else 1.0
-
-
-# How far below the attainment of a nearly idle fleet the calibration aims when the
-# target itself is out of reach (half a point: the benchmark's tolerance too).
-REACHABLE_TOLERANCE = 0.005
-
-
-def calibrate_capacity(
-    traffic: Traffic,
-    setup: ScalingSetup,
-    profile: StepTimeProfile,
-    replicas: int,
-    target: float = 0.99,
-    duration_s: float = 200.0,
-    warmup_s: float = 40.0,
-    iterations: int = 7,
-    seed: int = 0,
-) -> float:
-    """Ground-truth capacity: requests/s per replica a ``replicas``-replica fleet serves
-    at ``target`` attainment, measured by simulating this traffic's own steady
-    stretches replayed at a chosen rate (:func:`steady_segments`).
-
-    Bisection on the rate; the simulator (noisy step times, the real scheduler and
-    router) decides, not the planner's model, so the oracle built on it does not
-    inherit the model's errors. Where ``target`` is beyond what a nearly idle fleet
-    attains (requests no count serves in time), the goal is that attainment less
-    :data:`REACHABLE_TOLERANCE`.
-    """
-    replicas = max(replicas, 1)
-    mean_prompt = float(traffic.prompt_tokens.mean()) if len(traffic) else 1000.0
-    # Bracket: a 2048-token chunk takes ~70 ms, so ~30k prompt tokens/s is the
-    # prefill ceiling of one replica; nothing serves more than that.
-    hi = 30_000.0 / max(mean_prompt, 1.0)
-    lo = hi / 20.0
-
-    def attainment(rate: float) -> float:
-        return _flat_attainment(traffic, setup, profile, replicas, rate, duration_s, warmup_s, seed)
-
-    # Part of the traffic may miss the SLO at any count (a prompt whose prefill alone
-    # exceeds the TTFT SLO): then the target is what a nearly idle fleet attains, less
-    # half a point, and the capacity is where the fleet still attains that. Without
-    # this the bisection never succeeds and the oracle asks for the maximum: no bound.
-    ceiling = attainment(lo)
-    goal = min(target, ceiling - REACHABLE_TOLERANCE)
-
-    def ok(rate: float) -> bool:
-        return attainment(rate) >= goal
-
-    if ceiling < goal:
-        return lo
-    for _ in range(iterations):
-        mid = math.sqrt(lo * hi)
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def arrival_rate_series(
     traffic: Traffic, bucket_s: float = 10.0, window_s: float = 30.0
 ) -> npt.NDArray[np.float64]:
@@ -405,11 +223,11 @@ def arrival_rate_series(
 class OraclePolicy(_NoFpm):
     """Knows the future: provisions one start-up time ahead for the true arrival rate.
 
-    Sized by the ground truth, not by the planner's model: ``capacity_rps`` is the
-    per-replica request rate at which the simulated fleet meets the attainment
-    target on this traffic's request mix (:func:`calibrate_capacity`). Each
-    ``bucket_s`` slot needs ``ceil(rate over the next window_s / capacity_rps)``;
-    the oracle asks, at every tick, for the most any slot needs from now until a
+    Sized by the ground truth, not by the planner's model: ``capacity`` is the
+    request rate at which a simulated fleet of each size meets the attainment
+    target on this traffic's request mix (:mod:`~stepscale_operator.simulator.capacity`).
+    Each ``bucket_s`` slot needs the smallest fleet serving its rate over the next
+    ``window_s``; the oracle asks, at every tick, for the most any slot needs from now until a
     pod started now would be serving, and removes capacity as soon as the future
     allows (no stabilization). Pods still pay their start-up time, as for every
     policy; the oracle is the lower bound on GPU-hours at the target attainment.
@@ -419,7 +237,7 @@ class OraclePolicy(_NoFpm):
         self,
         traffic: Traffic,
         setup: ScalingSetup,
-        capacity_rps: float,
+        capacity: CapacityCurve,
         interval_s: float = 5.0,
         bucket_s: float = 10.0,
         window_s: float = 30.0,
@@ -429,9 +247,9 @@ class OraclePolicy(_NoFpm):
         self.setup = setup
         self.bucket_s = bucket_s
         self.window_s = window_s
-        self.capacity_rps = capacity_rps
+        self.capacity = capacity
         rates = arrival_rate_series(traffic, bucket_s, window_s)
-        needs = np.ceil(rates / max(capacity_rps, 1e-9)).astype(np.int64)
+        needs = capacity.replicas_for(rates, setup.max_replicas)
         self.needs = np.clip(needs, setup.min_replicas, setup.max_replicas)
 
     def desired(self, view: FleetView) -> int:
@@ -459,10 +277,10 @@ class WindowedOraclePolicy(OraclePolicy):
         self,
         traffic: Traffic,
         setup: ScalingSetup,
-        capacity_rps: float,
+        capacity: CapacityCurve,
         stabilization_s: float,
     ) -> None:
-        super().__init__(traffic, setup, capacity_rps)
+        super().__init__(traffic, setup, capacity)
         self.name = "oracle+window"
         self.stabilization_s = stabilization_s
         self._asks: deque[tuple[float, int]] = deque()
@@ -486,8 +304,8 @@ class HindsightPolicy(OraclePolicy):
     for yet (a margin, a static peak size) or by knowing the future (the oracle).
     """
 
-    def __init__(self, traffic: Traffic, setup: ScalingSetup, capacity_rps: float) -> None:
-        super().__init__(traffic, setup, capacity_rps)
+    def __init__(self, traffic: Traffic, setup: ScalingSetup, capacity: CapacityCurve) -> None:
+        super().__init__(traffic, setup, capacity)
         self.name = "hindsight"
 
     def desired(self, view: FleetView) -> int:

@@ -17,6 +17,13 @@ import numpy as np
 import numpy.typing as npt
 
 from stepscale_operator.planner import Planner, PlannerPolicy
+from stepscale_operator.simulator.capacity import (
+    Calibration,
+    CapacityCurve,
+    calibrate_capacity_curve,
+    fit_to_traffic,
+    starting_replicas,
+)
 from stepscale_operator.simulator.fleet import Fleet, FleetConfig, FpmTap, ScalingPolicy, SimResult
 from stepscale_operator.simulator.ground_truth import StepTimeProfile
 from stepscale_operator.simulator.policies import (
@@ -28,8 +35,7 @@ from stepscale_operator.simulator.policies import (
     ScalingSetup,
     StaticPolicy,
     WindowedOraclePolicy,
-    calibrate_capacity,
-    needed_replicas_series,
+    arrival_rate_series,
 )
 from stepscale_operator.simulator.report import RunSummary, summarise
 from stepscale_operator.simulator.traffic import Traffic
@@ -47,26 +53,13 @@ class PolicyRun:
 
 
 @dataclass(frozen=True)
-class Calibration:
-    """How long and how finely the ground-truth capacity is measured.
-
-    The defaults suit the benchmark; short runs (tests, quick looks) can use
-    shorter stretches and fewer bisection steps at the price of a coarser capacity.
-    """
-
-    duration_s: float = 200.0
-    warmup_s: float = 40.0
-    iterations: int = 7
-
-
-@dataclass(frozen=True)
 class GroundTruthSizing:
-    """The traffic's true needs: per-replica capacity measured by simulation, and the
-    replicas each 10 s slot needs for its true arrival rate (shared by the oracle,
-    the static peak and the common starting size)."""
+    """The traffic's true needs: capacity per fleet size measured by simulation, and
+    the replicas each 10 s slot needs for its true arrival rate (shared by the
+    oracle, the static peak and the common starting size)."""
 
-    capacity_rps: float
-    calibrated_at_replicas: int
+    capacity: CapacityCurve
+    fit_factor: float  # the fitted level over the one measured on steady stretches
     needs: npt.NDArray[np.int64]
     wall_s: float
 
@@ -75,31 +68,21 @@ def ground_truth_sizing(
     traffic: Traffic,
     setup: ScalingSetup,
     profile: StepTimeProfile,
-    planner_policy: PlannerPolicy,
     target: float = 0.99,
     seed: int = 0,
     calibration: Calibration | None = None,
 ) -> GroundTruthSizing:
-    """Calibrate the capacity at the fleet size the traffic typically needs."""
+    """Measure the capacity at each fleet size up to the traffic's peak rate, then fit
+    its level so the oracle just meets the target on the traffic itself."""
     cal = calibration or Calibration()
     began = time.perf_counter()
-    model_needs = needed_replicas_series(traffic, setup, profile, planner_policy)
-    # Pooling makes big fleets a little more efficient per replica; calibrate at the
-    # typical size (capped to keep the calibration cheap).
-    size = int(min(max(round(float(np.median(model_needs))), 1), 10))
-    capacity = calibrate_capacity(
-        traffic,
-        setup,
-        profile,
-        size,
-        target=target,
-        duration_s=cal.duration_s,
-        warmup_s=cal.warmup_s,
-        iterations=cal.iterations,
-        seed=seed,
+    peak_rps = float(arrival_rate_series(traffic).max()) if len(traffic) else 0.0
+    measured = calibrate_capacity_curve(traffic, setup, profile, peak_rps, cal, target, seed)
+    capacity, factor = fit_to_traffic(
+        measured, traffic, setup, profile, target, cal.fit_iterations, seed
     )
     oracle = OraclePolicy(traffic, setup, capacity)
-    return GroundTruthSizing(capacity, size, oracle.needs, time.perf_counter() - began)
+    return GroundTruthSizing(capacity, factor, oracle.needs, time.perf_counter() - began)
 
 
 def build_policy(
@@ -112,7 +95,7 @@ def build_policy(
 ) -> ScalingPolicy:
     """The named policy (see ``POLICY_NAMES``) for this traffic and setup."""
     if name in ("static", "oracle", "oracle+window", "hindsight") and sizing is None:
-        sizing = ground_truth_sizing(traffic, setup, profile, planner_policy)
+        sizing = ground_truth_sizing(traffic, setup, profile)
     if name == "ours":
         return PlannerDrivenPolicy(setup, planner=Planner(planner_policy))
     if name == "ours@memory":
@@ -133,22 +116,21 @@ def build_policy(
         return DynamoPolicy(setup, profile, policy=planner_policy, headroom=headroom)
     if name == "oracle":
         assert sizing is not None
-        return OraclePolicy(traffic, setup, sizing.capacity_rps)
+        return OraclePolicy(traffic, setup, sizing.capacity)
     if name == "oracle+window":
         assert sizing is not None
         return WindowedOraclePolicy(
-            traffic, setup, sizing.capacity_rps, planner_policy.scale_down_stabilization_s
+            traffic, setup, sizing.capacity, planner_policy.scale_down_stabilization_s
         )
     if name == "hindsight":
         assert sizing is not None
-        return HindsightPolicy(traffic, setup, sizing.capacity_rps)
+        return HindsightPolicy(traffic, setup, sizing.capacity)
     raise ValueError(f"unknown policy {name!r}; choose from {POLICY_NAMES}")
 
 
 def initial_replicas(traffic: Traffic, setup: ScalingSetup, sizing: GroundTruthSizing) -> int:
     """What the traffic needs over its first start-up time (+10 s): the common start."""
-    slots = max(1, int((setup.startup_s + 10.0) // 10.0) + 1)
-    return int(sizing.needs[:slots].max())
+    return starting_replicas(sizing.needs, setup)
 
 
 def run_policies(
@@ -174,9 +156,7 @@ def run_policies(
     """
     planner_policy = planner_policy or PlannerPolicy()
     if sizing is None:
-        sizing = ground_truth_sizing(
-            traffic, setup, profile, planner_policy, seed=seed, calibration=calibration
-        )
+        sizing = ground_truth_sizing(traffic, setup, profile, seed=seed, calibration=calibration)
     published = "ours" if "ours" in names else (names[0] if names else "")
     start = initial_replicas(traffic, setup, sizing)
     runs: list[PolicyRun] = []
