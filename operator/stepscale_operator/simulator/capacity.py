@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from stepscale_operator.simulator.fleet import Fleet, FleetConfig
+from stepscale_operator.simulator.fleet import Fleet
 from stepscale_operator.simulator.ground_truth import StepTimeProfile
 from stepscale_operator.simulator.policies import OraclePolicy, ScalingSetup, StaticPolicy
 from stepscale_operator.simulator.report import request_latencies, summarise
@@ -193,13 +193,7 @@ def probe_attainment(
     met = counted = 0
     for segment in segments:
         replay = replayed_at(segment, per_replica_rps * replicas)
-        config = FleetConfig(
-            initial_replicas=replicas,
-            startup_s=setup.startup_s,
-            limits=setup.limits,
-            profile=profile,
-            seed=seed,
-        )
+        config = setup.fleet_config(profile, replicas, seed)
         lat = request_latencies(Fleet(replay, StaticPolicy(replicas), config).run())
         keep = segment.arrival_s >= warmup_share
         ttft_ok = np.nan_to_num(lat.ttft_ms[keep], nan=np.inf) <= setup.slo.ttft_ms
@@ -312,13 +306,7 @@ def oracle_attainment(
 ) -> float:
     """Share of the traffic's requests within both SLOs under the oracle ``capacity`` sizes."""
     oracle = OraclePolicy(traffic, setup, capacity)
-    config = FleetConfig(
-        initial_replicas=starting_replicas(oracle.needs, setup),
-        startup_s=setup.startup_s,
-        limits=setup.limits,
-        profile=profile,
-        seed=seed,
-    )
+    config = setup.fleet_config(profile, starting_replicas(oracle.needs, setup), seed)
     return summarise(Fleet(traffic, oracle, config).run(), setup.slo, "fit", 0.0).attainment
 
 
@@ -346,13 +334,7 @@ def fit_to_traffic(
         return oracle_attainment(traffic, setup, profile, curve.scaled(factor), seed)
 
     goal = min(target, attainment(0.25) - REACHABLE_TOLERANCE)
-    lo, hi = 0.5, 2.0
-    for _ in range(iterations):
-        mid = math.sqrt(lo * hi)
-        if attainment(mid) >= goal:
-            lo = mid
-        else:
-            hi = mid
+    lo = _bisect(lambda factor: attainment(factor) >= goal, 0.5, 2.0, iterations)
     if lo == 0.5 and attainment(lo) < goal:
         lo = 0.25  # meets the goal by its definition
     return curve.scaled(lo), lo

@@ -51,10 +51,8 @@ from stepscale_operator.latency_model import (
 )
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner import Planner, PlannerInputs, PlannerPolicy, ReplicaCounts
-from stepscale_operator.simulator.fleet import (
-    FleetView,
-    SimResult,
-)
+from stepscale_operator.simulator.fleet import FleetConfig, FleetView, SimResult
+from stepscale_operator.simulator.ground_truth import StepTimeProfile
 from stepscale_operator.simulator.report import request_latencies
 from stepscale_operator.simulator.traffic import Traffic
 
@@ -71,6 +69,18 @@ class ScalingSetup:
     startup_s: float
     min_replicas: int = 1
     max_replicas: int = 64
+
+    def fleet_config(
+        self, profile: StepTimeProfile, initial_replicas: int, seed: int
+    ) -> FleetConfig:
+        """The simulated fleet this deployment runs on, starting at ``initial_replicas``."""
+        return FleetConfig(
+            initial_replicas=initial_replicas,
+            startup_s=self.startup_s,
+            limits=self.limits,
+            profile=profile,
+            seed=seed,
+        )
 
 
 class _NoFpm:

@@ -24,7 +24,7 @@ from stepscale_operator.simulator.capacity import (
     fit_to_traffic,
     starting_replicas,
 )
-from stepscale_operator.simulator.fleet import Fleet, FleetConfig, FpmTap, ScalingPolicy, SimResult
+from stepscale_operator.simulator.fleet import Fleet, FpmTap, ScalingPolicy, SimResult
 from stepscale_operator.simulator.ground_truth import StepTimeProfile
 from stepscale_operator.simulator.policies import (
     DynamoPolicy,
@@ -162,13 +162,7 @@ def run_policies(
     runs: list[PolicyRun] = []
     for name in names:
         policy = build_policy(name, traffic, setup, profile, planner_policy, sizing)
-        config = FleetConfig(
-            initial_replicas=start,
-            startup_s=setup.startup_s,
-            limits=setup.limits,
-            profile=profile,
-            seed=seed,
-        )
+        config = setup.fleet_config(profile, start, seed)
         tap = fpm_tap if name == published else None
         fleet = Fleet(traffic, policy, config, fpm_tap=tap)
         began = time.perf_counter()
