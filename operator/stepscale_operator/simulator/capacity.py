@@ -99,18 +99,21 @@ class CapacityCurve:
 
     def per_replica(self, replicas: int) -> float:
         """Requests/s per replica at ``replicas`` replicas."""
-        logs = np.log(np.asarray(self.sizes, dtype=np.float64))
-        return float(np.interp(math.log(max(replicas, 1)), logs, self.per_replica_rps))
+        return float(self._per_replica(np.array([max(replicas, 1)]))[0])
 
     def replicas_for(
         self, rates: npt.NDArray[np.float64], max_replicas: int
     ) -> npt.NDArray[np.int64]:
         """The smallest fleet serving each rate (``max_replicas`` where none does)."""
         counts = np.arange(1, max(max_replicas, 1) + 1)
-        fleet_rps = np.array([n * self.per_replica(int(n)) for n in counts])
+        fleet_rps = counts * self._per_replica(counts)
         # fleet_rps increases with the size, so the first size at or above a rate is the need.
         need = np.searchsorted(fleet_rps, np.asarray(rates, dtype=np.float64), side="left") + 1
         return np.minimum(need, counts[-1]).astype(np.int64)
+
+    def _per_replica(self, counts: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+        logs = np.log(np.asarray(self.sizes, dtype=np.float64))
+        return np.interp(np.log(counts), logs, self.per_replica_rps)
 
     def scaled(self, factor: float) -> CapacityCurve:
         """The same shape, ``factor`` times the capacity at every size."""

@@ -235,11 +235,11 @@ class OraclePolicy(_NoFpm):
 
     Sized by the ground truth, not by the planner's model: ``capacity`` is the
     request rate at which a simulated fleet of each size meets the attainment
-    target on this traffic's request mix (:mod:`~stepscale_operator.simulator.capacity`).
-    Each ``bucket_s`` slot needs the smallest fleet serving its rate over the next
-    ``window_s``; the oracle asks, at every tick, for the most any slot needs from now until a
-    pod started now would be serving, and removes capacity as soon as the future
-    allows (no stabilization). Pods still pay their start-up time, as for every
+    target on this traffic (:mod:`~stepscale_operator.simulator.capacity`). Each
+    ``bucket_s`` slot needs the smallest fleet serving its rate over the next
+    ``window_s``; the oracle asks, at every tick, for the most any slot needs from
+    now until a pod started now would be serving, and removes capacity as soon as
+    the future allows (no stabilization). Pods still pay their start-up time, as for every
     policy; the oracle is the lower bound on GPU-hours at the target attainment.
     """
 

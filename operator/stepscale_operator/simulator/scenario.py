@@ -128,11 +128,6 @@ def build_policy(
     raise ValueError(f"unknown policy {name!r}; choose from {POLICY_NAMES}")
 
 
-def initial_replicas(traffic: Traffic, setup: ScalingSetup, sizing: GroundTruthSizing) -> int:
-    """What the traffic needs over its first start-up time (+10 s): the common start."""
-    return starting_replicas(sizing.needs, setup)
-
-
 def run_policies(
     traffic: Traffic,
     names: Sequence[str],
@@ -158,7 +153,7 @@ def run_policies(
     if sizing is None:
         sizing = ground_truth_sizing(traffic, setup, profile, seed=seed, calibration=calibration)
     published = "ours" if "ours" in names else (names[0] if names else "")
-    start = initial_replicas(traffic, setup, sizing)
+    start = starting_replicas(sizing.needs, setup)
     runs: list[PolicyRun] = []
     for name in names:
         policy = build_policy(name, traffic, setup, profile, planner_policy, sizing)
