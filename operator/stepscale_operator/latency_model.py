@@ -40,7 +40,8 @@ from statistics import NormalDist
 from typing import Protocol
 
 from stepscale_engine.wire import ScheduledRequestMetrics
-from stepscale_operator.load_types import LoadEstimate, prompt_bin_centers
+from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, itl_quantile
+from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, LoadEstimate, prompt_bin_centers
 
 
 class LatencySettings(Protocol):
@@ -122,6 +123,8 @@ class PerReplicaLoad:
     # (empty: only the mean is known), and the fleet's arrival dispersion (0: unknown).
     prompt_lengths: tuple[tuple[float, float], ...] = ()
     arrival_dispersion: float = 0.0
+    # Output lengths: (first, last intervals, share) per bin (empty: not measured).
+    output_intervals: tuple[tuple[int, int, float], ...] = ()
 
     @classmethod
     def from_estimate(cls, load: LoadEstimate, replicas: int) -> PerReplicaLoad:
@@ -138,6 +141,12 @@ class PerReplicaLoad:
             mean_decode_context_tokens=max(load.mean_decode_context_tokens, 0.0),
             prompt_lengths=prompt_distribution(load.prompt_histogram, mean_prompt),
             arrival_dispersion=max(load.arrival_dispersion, 0.0),
+            output_intervals=tuple(
+                (first, last, share)
+                for (first, last), share in zip(
+                    OUTPUT_INTERVAL_BINS, load.output_interval_shares, strict=False
+                )
+            ),
         )
 
 
@@ -394,14 +403,25 @@ def predict_latency(
     # variability of their sizes).
     chunks_mean = sum(n * p for n, _, p in prefills)
     f_p = sum(n * f * p for n, f, p in prefills) / max(chunks_mean, 1e-9)
-    prefill_step_share = rate * chunks_mean * step
-    mean_output = load.decode_tokens_per_s / rate if rate > 0.0 else 1.0
-    tail_tokens = max(mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens)
-    spread = max(f_p - f_d, 0.0) * math.sqrt(
-        prefill_step_share * (dispersion + service_cv2) / tail_tokens
-    )
+    prefill_step_share = min(rate * chunks_mean * step, 1.0)
+    variance_per_pass = prefill_step_share * (dispersion + service_cv2)
     itl_mean = step
-    itl_q = step + z * spread
+    if load.output_intervals:
+        # Measured output lengths: the quantile over them (short outputs set it).
+        itl_q = itl_quantile(
+            PassTimes(f_d, f_p, step),
+            PrefillPassChain.of(prefill_step_share, variance_per_pass),
+            load.output_intervals,
+            variance_per_pass,
+            q_tail,
+        )
+    else:
+        # The prior: one request of a share of the mean output stands for the tail.
+        mean_output = load.decode_tokens_per_s / rate if rate > 0.0 else 1.0
+        tail_tokens = max(
+            mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens
+        )
+        itl_q = step + z * max(f_p - f_d, 0.0) * math.sqrt(variance_per_pass / tail_tokens)
 
     # TTFT: G/G/1 on the prefill server (Kingman), exponential tail for the quantile.
     rho = rate * service

@@ -66,6 +66,7 @@ from stepscale_operator.load_types import (
     over_budget,
     tally_implausible,
 )
+from stepscale_operator.output_lengths import OutputLengthEstimator
 from stepscale_operator.pass_columns import (
     QUEUED_DECODE_REQS,
     QUEUED_FIELDS,
@@ -210,6 +211,7 @@ class LoadEstimator:
         self._q_time = np.full(cap, np.nan)  # when the latest queue was reported
         self._budget = np.zeros(cap)  # largest prefill_tokens + decode_requests seen
         self._prev_full = np.zeros(cap, dtype=bool)
+        self._outputs = OutputLengthEstimator()
         self.rejected: dict[str, int] = {}  # implausible messages by reason
 
     # -- membership ------------------------------------------------------------
@@ -270,6 +272,7 @@ class LoadEstimator:
         self._q_time[slot] = np.nan
         self._budget[slot] = 0.0
         self._prev_full[slot] = False
+        self._outputs.forget(slot)
 
     # -- observation -----------------------------------------------------------
 
@@ -397,6 +400,14 @@ class LoadEstimator:
         cols[:, _DECODE_WALL_S] = n_dec * cols[:, _BUSY_S]
         cols[:, _PREFILL_WALL_S] = n_pre * cols[:, _BUSY_S]
         _add_prompt_lengths(cols, final, c + k, n_pre, s[:, SCHED_PREFILL_VAR])
+        for stream, lo, hi in zip(streams, starts, ends, strict=True):
+            passes = is_pass[lo:hi]
+            self._outputs.observe(
+                int(stream),
+                cols[lo:hi, _PREFILL_FINISHED][passes],
+                n_dec[lo:hi][passes],
+                now,
+            )
         per_stream = np.add.reduceat(cols, starts, axis=0)
         per_stream[:, _QS_COLS] = queue_seconds
 
@@ -507,6 +518,7 @@ class LoadEstimator:
             queued_decode_requests_trend=float(trends[3]),
             prompt_histogram=shapes.prompt_histogram,
             arrival_dispersion=shapes.arrival_dispersion,
+            output_interval_shares=self._outputs.shares(),
             realized_itl_mean_ms=shapes.realized_itl_mean_ms,
             realized_itl_tail_ms=shapes.realized_itl_tail_ms,
             realized_ttft_mean_ms=shapes.realized_ttft_mean_ms,

@@ -41,6 +41,24 @@ def prompt_bin_centers() -> tuple[float, ...]:
     )
 
 
+# Output-length bins, in inter-token intervals (output tokens - 1): bin ``i`` holds
+# outputs with ``OUTPUT_INTERVAL_BINS[i][0]..[1]`` intervals, inclusive; longer ones
+# are the rest. Exact up to 3 (one prefill pass among them sets the ITL), then
+# geometric: short outputs set the ITL tail, long ones average it out.
+OUTPUT_INTERVAL_BINS: tuple[tuple[int, int], ...] = (
+    (0, 0),
+    (1, 1),
+    (2, 2),
+    (3, 3),
+    *(
+        (first, first + half - 1)
+        for k in range(2, 7)
+        for half in (2 ** (k - 1),)
+        for first in (2**k, 2**k + half)
+    ),
+)
+
+
 def prompt_histogram_of(lengths: npt.NDArray[np.float64]) -> tuple[float, ...]:
     """Counts of ``lengths`` in the :data:`PROMPT_BIN_EDGES` bins."""
     idx = np.clip(np.searchsorted(PROMPT_BIN_EDGES, lengths, side="right") - 1, 0, None)
@@ -97,6 +115,10 @@ class LoadEstimate:
     # (1 for Poisson arrivals; 0: unknown).
     prompt_histogram: tuple[float, ...] = ()
     arrival_dispersion: float = 0.0
+    # Share of finished requests per :data:`OUTPUT_INTERVAL_BINS` bin of output length
+    # (empty: not measured yet), from when requests leave the decode batch against
+    # when they finished prefill (see :mod:`~stepscale_operator.output_lengths`).
+    output_interval_shares: tuple[float, ...] = ()
     # Realized latency over the window, from the passes themselves (0: unknown): the
     # mean inter-token latency (pass wall times weighted by decode requests), and the
     # mean TTFT (queue wait by Little's law plus time in prefill passes); each with
@@ -120,7 +142,7 @@ class LoadEstimate:
         for key, value in asdict(self).items():
             if key == "unavailable":
                 continue
-            if key in ("missing_streams", "prompt_histogram"):
+            if key in ("missing_streams", "prompt_histogram", "output_interval_shares"):
                 d[key] = list(value)
             else:
                 d[key] = None if key in self.unavailable else value

@@ -92,10 +92,10 @@ class PlannerPolicy:
     # that is prefilling while another holds nothing; round robin does not, and
     # leaves prompts over many idle replicas a little more TTFT than planned.
     balanced_routing: bool = True
-    # The ITL tail is set by short requests: plan for one with this share of the
-    # mean output length. Calibrated so the predicted p99 ITL of a 30 s window is
-    # unbiased against the simulation (median signed error +0.4% on the Azure
-    # trace); 0.14 over-predicted it by 11%, i.e. ~10% more replicas than the SLO needs.
+    # The prior for the ITL tail until the streams have shown the output lengths
+    # (see :mod:`~stepscale_operator.output_lengths`): plan for one request with this
+    # share of the mean output length. Once measured, the quantile is taken over the
+    # measured lengths instead (:mod:`~stepscale_operator.itl_quantile`).
     itl_tail_output_fraction: float = 0.25
     min_itl_tail_tokens: float = 4.0
     queue_per_replica_target: float = 4.0  # queue rule used before the model is ready

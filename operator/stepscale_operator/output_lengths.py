@@ -1,0 +1,178 @@
+"""Output lengths from the pass stream: when requests leave the decode batch
+against when they finished prefill.
+
+No FPM field names a request, but every decode request gets one token per pass,
+so a request that generates ``L`` tokens leaves the decode batch ``L - 1`` passes
+after the pass that finished its prompt. Per stream and pass ``j``:
+
+* ``A_j``, prompts that finished prefill in pass ``j`` (the load estimator's
+  count: prefill requests less the one left partial by a full pass), and
+* ``N_j = D_j + A_j - D_{j+1}`` (``D``: decode requests of a pass), the requests
+  that finished in pass ``j``: those leaving the decode batch, and prompts of one
+  token, which never enter it.
+
+Then ``E[N_j] = sum_m p_m A_{j-m}``, with ``p_m`` the share of requests with ``m``
+inter-token intervals: a deconvolution. It is solved as a least squares over
+the streams' passes, one coefficient per bin of ``m``
+(:data:`~stepscale_operator.load_types.OUTPUT_INTERVAL_BINS`, plus bins of longer
+outputs up to 2047 intervals that only absorb them), non-negative, with the
+normal equations forgotten with a half-life in time. Arrivals vary from pass to
+pass (Poisson at least), which is what identifies the lags.
+
+Both sides are high-passed first (less their mean over the previous
+``_SMOOTH`` passes; a linear filter applied to both keeps the lags), so what
+varies slowly (a replica's decode population, the traffic's level) does not
+leak into the short bins; only bins of up to ``_SMOOTH / 2`` intervals are
+reported. A router that sends new prompts to the replica with the fewest
+requests couples a replica's arrivals to its recent departures at short lags
+too: on the simulator's least-outstanding router, the shares of outputs of 1-8
+tokens come out 20-50% low (a random spread, such as a Kubernetes Service's,
+has no such coupling; synthetic streams with independent arrivals are
+recovered within noise). Low shares of short outputs make the ITL tail
+predicted low, never high.
+
+A stream first seen with requests decoding has a history before it that is not
+known: its passes count once they are past the longest lag. A preempted request
+looks like one that finished and a new prompt; messages lost on the way shift
+the lags of the passes around them. Both are rare and only blur the shares.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from stepscale_operator.cost_model.regression import nnls_normal
+from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS
+
+FloatArray = npt.NDArray[np.float64]
+
+_SMOOTH = 2 * (OUTPUT_INTERVAL_BINS[-1][1] + 1)  # passes of the high-pass mean
+# The bins reported, then longer ones that absorb what longer outputs add.
+_BINS: tuple[tuple[int, int], ...] = (
+    *OUTPUT_INTERVAL_BINS,
+    *((2**k, 2 ** (k + 1) - 1) for k in range(7, 11)),
+)
+_REPORTED = len(OUTPUT_INTERVAL_BINS)
+_RUN = 512  # passes of a stream buffered before they are learned
+_LONGEST = _BINS[-1][1]
+_HISTORY = _LONGEST + 1 + _SMOOTH  # passes of A a stream keeps
+_LO = np.array([lo for lo, _ in _BINS])
+_HI = np.array([hi for _, hi in _BINS])
+_WIDTH = (_HI - _LO + 1).astype(np.float64)
+
+
+class OutputLengthEstimator:
+    """Shares of output lengths from the passes of a deployment's streams (see the
+    module docstring). Streams are numbered slots, as the load estimator keeps them."""
+
+    def __init__(self, half_life_s: float = 600.0, min_finished: float = 500.0) -> None:
+        self.half_life_s = float(half_life_s)
+        self.min_finished = float(min_finished)  # decayed finished requests before shares
+        self._gram = np.zeros((len(_BINS), len(_BINS)))
+        self._rhs = np.zeros(len(_BINS))
+        self._finished = 0.0
+        self._time: float | None = None
+        self._history: dict[int, FloatArray] = {}  # per slot: A of its last passes
+        self._decoding: dict[int, float] = {}  # per slot: D of its last pass
+        self._seen: dict[int, int] = {}  # per slot: passes seen
+        self._known_from: dict[int, int] = {}  # per slot: first pass whose lags are known
+        self._finishes: dict[int, FloatArray] = {}  # per slot: N of its last passes
+        self._pending: dict[int, list[tuple[FloatArray, FloatArray]]] = {}
+        self._time_seen: float | None = None
+
+    def forget(self, slot: int) -> None:
+        """Drop a stream's history (its pod is gone, or the slot is reused)."""
+        self._history.pop(slot, None)
+        self._decoding.pop(slot, None)
+        self._seen.pop(slot, None)
+        self._known_from.pop(slot, None)
+        self._finishes.pop(slot, None)
+        self._pending.pop(slot, None)
+
+    def observe(
+        self, slot: int, finished_prefill: FloatArray, decoding: FloatArray, now: float
+    ) -> None:
+        """A stream's new passes, in order: prompts that finished prefill in each
+        (``A``) and its decode requests (``D``). Heartbeats are not passes.
+
+        Buffered: a stream's passes are learned in runs of at least ``_RUN`` (or
+        when :meth:`shares` is asked), so the per-call cost is paid rarely."""
+        if finished_prefill.shape[0] == 0:
+            return
+        self._time_seen = now if self._time_seen is None else max(self._time_seen, now)
+        buffered = self._pending.setdefault(slot, [])
+        buffered.append((finished_prefill, decoding))
+        if sum(a.shape[0] for a, _ in buffered) >= _RUN:
+            self._flush(slot)
+
+    def _flush(self, slot: int) -> None:
+        buffered = self._pending.pop(slot, None)
+        if not buffered:
+            return
+        finished_prefill = np.concatenate([a for a, _ in buffered])
+        decoding = np.concatenate([d for _, d in buffered])
+        n = finished_prefill.shape[0]
+        assert self._time_seen is not None
+        self._decay(self._time_seen)
+        seen = self._seen.get(slot, 0)
+        if slot not in self._history:
+            self._history[slot] = np.zeros(_HISTORY)
+            # An idle stream has no past to miss; otherwise wait out the longest lag.
+            self._known_from[slot] = 0 if decoding[0] == 0 else _HISTORY
+        a = np.concatenate([self._history[slot], finished_prefill])
+        if seen > 0:
+            # The stream's previous last pass is finished by this batch's first D.
+            rows = np.arange(_HISTORY - 1, _HISTORY + n - 1)
+            d_here = np.concatenate([[self._decoding[slot]], decoding[:-1]])
+            d_after = decoding
+        else:
+            rows = np.arange(_HISTORY, _HISTORY + n - 1)
+            d_here, d_after = decoding[:-1], decoding[1:]
+        finished = d_here + a[rows] - d_after
+        # x[j, b] = sum of A over the lags of bin b; less its mean over the _SMOOTH
+        # passes before (sums of the cumulative sums give both).
+        cum = np.concatenate([[0.0], np.cumsum(a)])
+        cc = np.concatenate([[0.0], np.cumsum(cum)])
+        upper = rows[:, None] - _LO[None, :] + 1
+        lower = rows[:, None] - _HI[None, :]
+        x = cum[upper] - cum[lower]
+        x -= (cc[upper] - cc[upper - _SMOOTH] - cc[lower] + cc[lower - _SMOOTH]) / _SMOOTH
+        past = np.concatenate([self._finishes.get(slot, np.zeros(_SMOOTH)), finished])
+        cf = np.concatenate([[0.0], np.cumsum(past)])
+        k = np.arange(_SMOOTH, _SMOOTH + finished.size)
+        y = finished - (cf[k] - cf[k - _SMOOTH]) / _SMOOTH
+        keep = seen - _HISTORY + rows >= self._known_from[slot]  # pass index known
+        if keep.any():
+            self._gram += x[keep].T @ x[keep]
+            self._rhs += x[keep].T @ y[keep]
+            self._finished += float(finished[keep].sum())
+        self._finishes[slot] = past[-_SMOOTH:]
+        self._history[slot] = a[-_HISTORY:]
+        self._decoding[slot] = float(decoding[-1])
+        self._seen[slot] = seen + n
+
+    def _decay(self, now: float) -> None:
+        if self._time is not None and now > self._time:
+            keep = 0.5 ** ((now - self._time) / self.half_life_s)
+            self._gram *= keep
+            self._rhs *= keep
+            self._finished *= keep
+        self._time = now if self._time is None else max(self._time, now)
+
+    def shares(self) -> tuple[float, ...]:
+        """Share of requests per reported bin (empty until enough requests finished)."""
+        for slot in list(self._pending):
+            self._flush(slot)
+        if self._finished < self.min_finished:
+            return ()
+        scale = float(np.trace(self._gram)) / len(_BINS)
+        if not scale > 0.0:
+            return ()
+        ridge = self._gram + np.eye(len(_BINS)) * (1e-6 * scale)
+        per_lag = nnls_normal(ridge, self._rhs)
+        shares = per_lag * _WIDTH
+        total = float(shares.sum())
+        if total > 1.0:
+            shares = shares / total
+        return tuple(float(s) for s in shares[:_REPORTED])

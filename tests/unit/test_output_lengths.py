@@ -1,0 +1,172 @@
+"""Output lengths measured from the pass stream, and the ITL quantile they set."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics
+from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, itl_quantile
+from stepscale_operator.latency_model import EngineLimits, PerReplicaLoad, predict_latency
+from stepscale_operator.load_estimate import LoadEstimator
+from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS
+from stepscale_operator.output_lengths import OutputLengthEstimator
+from stepscale_operator.planner_policy import PlannerPolicy
+from tests.unit.test_planner import LinearStepTime
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def _stream(
+    passes: int, seed: int, short_share: float = 0.35
+) -> tuple[FloatArray, FloatArray, npt.NDArray[np.int64]]:
+    """One engine's passes: prompts finishing prefill per pass (clustered arrivals),
+    the decode batch each pass sees, and the output lengths drawn.
+
+    Each request leaves the decode batch ``L - 1`` passes after its prefill, as in
+    vLLM; ``short_share`` of the outputs are 1-10 tokens, the rest log-normal."""
+    rng = np.random.default_rng(seed)
+    starts = np.flatnonzero(rng.random(passes) < 0.02)
+    sizes = rng.geometric(0.5, starts.size)
+    at = np.repeat(starts, sizes) + rng.integers(0, 50, int(sizes.sum()))
+    finished_prefill = np.bincount(at[at < passes], minlength=passes)
+    n = int(finished_prefill.sum())
+    lengths = np.where(
+        rng.random(n) < short_share,
+        rng.integers(1, 11, n),
+        np.clip(rng.lognormal(math.log(60.0), 1.0, n), 1, 4000).astype(np.int64),
+    )
+    leaves = np.zeros(passes + 5000)
+    np.add.at(leaves, np.repeat(np.arange(passes), finished_prefill) + lengths - 1, 1.0)
+    decoding = np.zeros(passes)
+    decoding[1:] = np.cumsum(finished_prefill - leaves[:passes])[:-1]
+    return finished_prefill.astype(np.float64), decoding, lengths
+
+
+def _true_shares(lengths: npt.NDArray[np.int64]) -> list[float]:
+    intervals = lengths - 1
+    return [float(np.mean((intervals >= a) & (intervals <= b))) for a, b in OUTPUT_INTERVAL_BINS]
+
+
+def test_output_length_shares_are_recovered_from_when_requests_leave_the_decode_batch() -> None:
+    estimator = OutputLengthEstimator(half_life_s=1e9)
+    lengths = []
+    for slot in range(3):
+        a, d, drawn = _stream(300_000, seed=slot)
+        lengths.append(drawn)
+        for k in range(0, a.size, 300):  # delivered in ingest-sized batches
+            estimator.observe(slot, a[k : k + 300], d[k : k + 300], now=k * 0.01)
+    shares = estimator.shares()
+    true = _true_shares(np.concatenate(lengths))
+    assert len(shares) == len(OUTPUT_INTERVAL_BINS)
+    # Each short bin (1 to 16 tokens) within 0.015 of its true share (2-9%), and the
+    # share of outputs of at most 12 tokens within 5 points of the true ~39%: what
+    # a million passes pin down (single streams of 200k passes scatter by -18..+4%).
+    for got, want in zip(shares[:8], true[:8], strict=True):
+        assert got == pytest.approx(want, abs=0.015), (shares, true)
+    assert sum(shares[:7]) == pytest.approx(sum(true[:7]), abs=0.05)
+
+
+def test_output_lengths_wait_for_enough_requests_and_forget_a_stream() -> None:
+    estimator = OutputLengthEstimator(half_life_s=1e9, min_finished=500.0)
+    a, d, _ = _stream(5_000, seed=7)  # ~150 requests
+    estimator.observe(0, a, d, now=0.0)
+    assert estimator.shares() == ()
+    estimator.forget(0)
+    a, d, _ = _stream(100_000, seed=8)
+    estimator.observe(1, a, d, now=1.0)
+    assert len(estimator.shares()) == len(OUTPUT_INTERVAL_BINS)
+
+
+def test_a_stream_first_seen_mid_flight_is_learned_only_past_its_longest_lag() -> None:
+    a, d, _ = _stream(60_000, seed=3)
+    cold = OutputLengthEstimator(half_life_s=1e9, min_finished=0.0)
+    cold.observe(0, a[30_000:], d[30_000:], now=0.0)  # requests already decoding
+    whole = OutputLengthEstimator(half_life_s=1e9, min_finished=0.0)
+    whole.observe(0, a, d, now=0.0)
+    # Without the wait, the unknown history would be taken for silence and every
+    # request decoding at the first pass for one that arrived with no prefill.
+    assert 0.0 < cold._finished < 0.95 * float(a[30_000:].sum())
+    assert whole._finished == pytest.approx(float(a[:-1].sum()), rel=0.05)
+
+
+def test_the_load_estimate_carries_the_output_lengths_of_its_streams() -> None:
+    a, d, lengths = _stream(150_000, seed=11)
+    est = LoadEstimator(window_s=30.0)
+    est.add_stream(("pod-0", 0))
+    msgs = [
+        ForwardPassMetrics(
+            worker_id="pod-0",
+            counter_id=i,
+            wall_time=0.01,
+            scheduled_requests=ScheduledRequestMetrics(
+                num_prefill_requests=int(a[i]),
+                sum_prefill_tokens=64 * int(a[i]),
+                num_decode_requests=int(d[i]),
+                sum_decode_kv_tokens=100 * int(d[i]),
+            ),
+        )
+        for i in range(a.size)
+    ]
+    for k in range(0, len(msgs), 1000):
+        est.observe_batch(msgs[k : k + 1000], now=k * 0.01)
+    shares = est.estimate(a.size * 0.01).output_interval_shares
+    true = _true_shares(lengths)
+    assert len(shares) == len(OUTPUT_INTERVAL_BINS)
+    assert sum(shares[:7]) == pytest.approx(sum(true[:7]), abs=0.06)
+
+
+def test_prefill_pass_chain_has_the_asked_share_and_long_window_variance() -> None:
+    chain = PrefillPassChain.of(0.2, variance_per_pass=0.2 * 3.0)
+    dists = chain.count_distributions(32)
+    for m, dist in enumerate(dists, start=1):
+        assert dist.sum() == pytest.approx(1.0)
+        assert float(np.arange(m + 1) @ dist) == pytest.approx(0.2 * m)
+    k = np.arange(33)
+    var32 = float(k**2 @ dists[31] - (k @ dists[31]) ** 2)
+    # Correlated passes: more spread than independent ones (0.16 per pass), tending
+    # to the asked 0.6 per pass as the window grows.
+    assert 0.16 * 32 < var32 < 0.6 * 32
+
+
+def test_itl_quantile_of_two_token_outputs_is_a_prefill_pass_when_more_than_the_tail_hit_one() -> (
+    None
+):
+    passes = PassTimes(decode_s=0.008, prefill_s=0.060, mean_s=0.0184)
+    chain = PrefillPassChain.of(0.2, 0.2 * 0.8)
+    only_two = ((0, 0, 0.0), (1, 1, 1.0))  # every request generates 2 tokens: one interval
+    assert itl_quantile(passes, chain, only_two, 0.16, 0.01) == pytest.approx(0.060, rel=1e-3)
+    # All long: the mean pass plus a normal tail, far below a prefill pass.
+    none_short = tuple((a, b, 0.0) for a, b in OUTPUT_INTERVAL_BINS)
+    long_only = itl_quantile(passes, chain, none_short, 0.16, 0.01)
+    assert 0.0184 < long_only < 0.03
+
+
+def test_measured_short_outputs_raise_the_predicted_itl_tail_and_the_prior_stays() -> None:
+    base = PerReplicaLoad(
+        prefill_tokens_per_s=12000.0,
+        prefill_requests_per_s=8.0,
+        decode_tokens_per_s=200.0,
+        mean_prompt_tokens=1500.0,
+        mean_cached_tokens=0.0,
+        mean_decode_context_tokens=1600.0,
+        arrival_dispersion=3.0,
+    )
+    policy = PlannerPolicy()
+    engine = EngineLimits()
+    prior = predict_latency(LinearStepTime(), base, engine, policy)
+    long_outputs = tuple((a, b, 0.0) for a, b in OUTPUT_INTERVAL_BINS)  # measured: none short
+    short = tuple((a, b, 0.035 * (b - a + 1) if b <= 9 else 0.0) for a, b in OUTPUT_INTERVAL_BINS)
+    with_long = predict_latency(LinearStepTime(), _with(base, long_outputs), engine, policy)
+    with_short = predict_latency(LinearStepTime(), _with(base, short), engine, policy)
+    assert with_short.itl_ms > 1.5 * with_long.itl_ms
+    assert with_short.itl_mean_ms == pytest.approx(prior.itl_mean_ms)
+    assert with_long.itl_ms > with_long.itl_mean_ms
+
+
+def _with(load: PerReplicaLoad, bins: tuple[tuple[int, int, float], ...]) -> PerReplicaLoad:
+    return replace(load, output_intervals=bins)
