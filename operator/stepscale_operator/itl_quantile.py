@@ -32,6 +32,8 @@ from statistics import NormalDist
 import numpy as np
 import numpy.typing as npt
 
+from stepscale_operator.quantile_search import exceedance_quantile
+
 
 @dataclass(frozen=True)
 class PrefillPassChain:
@@ -155,14 +157,7 @@ def itl_quantile(
             total += share * (1.0 - dist.cdf(x))
         return total / with_itl
 
-    lo = passes.decode_s
-    hi = max(passes.prefill_s, passes.mean_s) + 8.0 * extra + 1e-6
-    if exceed(lo) <= tail:
-        return lo
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        if exceed(mid) > tail:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    if exceed(passes.decode_s) <= tail:
+        return passes.decode_s
+    hi = max(passes.prefill_s, passes.mean_s) + 8.0 * extra
+    return exceedance_quantile(exceed, passes.decode_s, hi, tail)

@@ -42,6 +42,7 @@ from typing import Protocol
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, itl_quantile
 from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, LoadEstimate, prompt_bin_centers
+from stepscale_operator.quantile_search import exceedance_quantile
 
 
 class LatencySettings(Protocol):
@@ -240,20 +241,6 @@ def _ttft_exceedance(
     return exceed
 
 
-def _ttft_quantile(exceed: Callable[[float], float], start: float, q_tail: float) -> float:
-    """Smallest t with ``exceed(t) <= q_tail`` (bisection from [0, start], doubling)."""
-    lo, hi = 0.0, max(start, 1e-6)
-    while exceed(hi) > q_tail:
-        hi *= 2.0
-    for _ in range(40):
-        mid = 0.5 * (lo + hi)
-        if exceed(mid) > q_tail:
-            lo = mid
-        else:
-            hi = mid
-    return hi
-
-
 def all_replicas_occupied(replicas: int, in_replica: float, dispersion: float) -> float:
     """Chance that an arrival finds every one of ``replicas`` holding a request.
 
@@ -418,9 +405,7 @@ def predict_latency(
     else:
         # The prior: one request of a share of the mean output stands for the tail.
         mean_output = load.decode_tokens_per_s / rate if rate > 0.0 else 1.0
-        tail_tokens = max(
-            mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens
-        )
+        tail_tokens = max(mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens)
         itl_q = step + z * max(f_p - f_d, 0.0) * math.sqrt(variance_per_pass / tail_tokens)
 
     # TTFT: G/G/1 on the prefill server (Kingman), exponential tail for the quantile.
@@ -456,7 +441,7 @@ def predict_latency(
             spread_services = [(t, p / mass) for t, p in reachable]
             exceed = _ttft_exceedance(spread_services, wait_mean, p_wait, f_d)
             start = max(t for t, _ in reachable) + f_d + 2.0 * wait_mean / max(p_wait, 1e-9)
-            ttft_q = _ttft_quantile(exceed, start, q_tail)
+            ttft_q = exceedance_quantile(exceed, 0.0, start, q_tail)
         else:
             exceed = None
             ttft_q = math.inf
