@@ -23,13 +23,26 @@ Both sides are high-passed first (less their mean over the previous
 ``_SMOOTH`` passes; a linear filter applied to both keeps the lags), so what
 varies slowly (a replica's decode population, the traffic's level) does not
 leak into the short bins; only bins of up to ``_SMOOTH / 2`` intervals are
-reported. A router that sends new prompts to the replica with the fewest
-requests couples a replica's arrivals to its recent departures at short lags
-too: on the simulator's least-outstanding router, the shares of outputs of 1-8
-tokens come out 20-50% low (a random spread, such as a Kubernetes Service's,
-has no such coupling; synthetic streams with independent arrivals are
-recovered within noise). Low shares of short outputs make the ITL tail
-predicted low, never high.
+reported.
+
+Arrivals answer departures. A router that sends new prompts to the replica with
+the fewest requests, and an engine whose batch is full and admits a waiting
+prompt when one leaves, both make ``A`` rise just after requests finish. Then a
+later pass's arrivals carry news of how long earlier requests ran, and plain
+least squares (arrivals as regressors) reads that as fewer short outputs: on
+the simulator's least-outstanding router it put the shares of 1-8 token outputs
+20-50% low. So the regression is an instrumental-variables one (two-stage
+least squares): the instrument is the part of each pass's arrivals that the
+stream's last ``_FEEDBACK_LAGS`` departures do not predict (a linear fit of
+``A_j`` on ``N_{j-1..j-16}``, pooled and forgotten like the rest). A request's
+length is drawn when it arrives, independent of all before, so those surprises
+are uncorrelated with the lengths still to be learned, while they still move
+with the arrivals. With arrivals that do not answer departures the fit finds
+no feedback and the estimate is the plain least squares. On recordings of the
+simulator's fleet the 1-8 token shares now come within 0-20% of the truth
+(bursty code, silence-burst; the trace's stay near zero, as they are); the
+instrument is weaker than the arrivals, so the estimate is noisier than plain
+least squares would be without the coupling.
 
 A stream first seen with requests decoding has a history before it that is not
 known: its passes count once they are past the longest lag. A preempted request
@@ -60,6 +73,55 @@ _HISTORY = _LONGEST + 1 + _SMOOTH  # passes of A a stream keeps
 _LO = np.array([lo for lo, _ in _BINS])
 _HI = np.array([hi for _, hi in _BINS])
 _WIDTH = (_HI - _LO + 1).astype(np.float64)
+# Departures that the feedback fit reads arrivals from: a balancing router answers
+# within a few passes, a full batch admits on the next.
+_FEEDBACK_LAGS = 16
+
+
+def _lag_sums(series: FloatArray, rows: npt.NDArray[np.int64]) -> FloatArray:
+    """``out[i, b]``: the sum of ``series`` over the lags of bin ``b`` before pass
+    ``rows[i]``, less its mean over the ``_SMOOTH`` passes before that (sums of the
+    cumulative sums give both). ``rows`` start at least ``_HISTORY - 1`` in."""
+    cum = np.concatenate([[0.0], np.cumsum(series)])
+    cc = np.concatenate([[0.0], np.cumsum(cum)])
+    upper = rows[:, None] - _LO[None, :] + 1
+    lower = rows[:, None] - _HI[None, :]
+    out = cum[upper] - cum[lower]
+    out -= (cc[upper] - cc[upper - _SMOOTH] - cc[lower] + cc[lower - _SMOOTH]) / _SMOOTH
+    return out
+
+
+class _FeedbackFit:
+    """How a stream's arrivals follow its departures: a least-squares fit of ``A_j``
+    on ``N_{j-1..j-_FEEDBACK_LAGS}`` and a constant, pooled over streams, decayed
+    sums. No feedback (too few passes yet) is zero coefficients."""
+
+    def __init__(self) -> None:
+        self._gram = np.zeros((_FEEDBACK_LAGS + 1, _FEEDBACK_LAGS + 1))
+        self._rhs = np.zeros(_FEEDBACK_LAGS + 1)
+        self._coef = np.zeros(_FEEDBACK_LAGS + 1)
+
+    def add(self, lagged_departures: FloatArray, arrivals: FloatArray) -> None:
+        """Passes' departures before each (one row per pass) and their arrivals."""
+        f = np.column_stack([lagged_departures, np.ones(arrivals.shape[0])])
+        self._gram += f.T @ f
+        self._rhs += f.T @ arrivals
+        rows = self._gram[-1, -1]  # decayed count of passes
+        if rows >= 4 * (_FEEDBACK_LAGS + 1):
+            ridge = np.eye(_FEEDBACK_LAGS + 1) * (1e-6 * float(np.trace(self._gram)) + 1e-9)
+            self._coef = np.asarray(
+                np.linalg.solve(self._gram + ridge, self._rhs), dtype=np.float64
+            )
+
+    def decay(self, keep: float) -> None:
+        """Forget by the factor ``keep``."""
+        self._gram *= keep
+        self._rhs *= keep
+
+    def surprise(self, arrivals: FloatArray, lagged_departures: FloatArray) -> FloatArray:
+        """Arrivals less the part the departures before them predict."""
+        coef = self._coef
+        return arrivals - lagged_departures @ coef[:-1] - coef[-1]
 
 
 class OutputLengthEstimator:
@@ -69,11 +131,17 @@ class OutputLengthEstimator:
     def __init__(self, half_life_s: float = 600.0, min_finished: float = 500.0) -> None:
         self.half_life_s = float(half_life_s)
         self.min_finished = float(min_finished)  # decayed finished requests before shares
-        self._gram = np.zeros((len(_BINS), len(_BINS)))
-        self._rhs = np.zeros(len(_BINS))
+        k = len(_BINS)
+        # Two-stage least squares, decayed sums: instrument z (lag sums of the
+        # arrivals' surprises) against regressors x (lag sums of arrivals), target y.
+        self._zx = np.zeros((k, k))
+        self._zz = np.zeros((k, k))
+        self._zy = np.zeros(k)
+        self._feedback = _FeedbackFit()
         self._finished = 0.0
         self._time: float | None = None
         self._history: dict[int, FloatArray] = {}  # per slot: A of its last passes
+        self._surprise: dict[int, FloatArray] = {}  # per slot: A less its feedback part
         self._decoding: dict[int, float] = {}  # per slot: D of its last pass
         self._seen: dict[int, int] = {}  # per slot: passes seen
         self._known_from: dict[int, int] = {}  # per slot: first pass whose lags are known
@@ -84,6 +152,7 @@ class OutputLengthEstimator:
     def forget(self, slot: int) -> None:
         """Drop a stream's history (its pod is gone, or the slot is reused)."""
         self._history.pop(slot, None)
+        self._surprise.pop(slot, None)
         self._decoding.pop(slot, None)
         self._seen.pop(slot, None)
         self._known_from.pop(slot, None)
@@ -130,33 +199,39 @@ class OutputLengthEstimator:
             rows = np.arange(_HISTORY, _HISTORY + n - 1)
             d_here, d_after = decoding[:-1], decoding[1:]
         finished = d_here + a[rows] - d_after
-        # x[j, b] = sum of A over the lags of bin b; less its mean over the _SMOOTH
-        # passes before (sums of the cumulative sums give both).
-        cum = np.concatenate([[0.0], np.cumsum(a)])
-        cc = np.concatenate([[0.0], np.cumsum(cum)])
-        upper = rows[:, None] - _LO[None, :] + 1
-        lower = rows[:, None] - _HI[None, :]
-        x = cum[upper] - cum[lower]
-        x -= (cc[upper] - cc[upper - _SMOOTH] - cc[lower] + cc[lower - _SMOOTH]) / _SMOOTH
         past = np.concatenate([self._finishes.get(slot, np.zeros(_SMOOTH)), finished])
+        # The new passes' arrivals less what the departures before each predict.
+        new = np.arange(_HISTORY, _HISTORY + n)
+        lagged = past[new[:, None] - rows[0] + _SMOOTH - np.arange(1, _FEEDBACK_LAGS + 1)]
+        surprise = np.concatenate(
+            [self._surprise.get(slot, np.zeros(_HISTORY)), self._feedback.surprise(a[new], lagged)]
+        )
+        keep_new = seen - _HISTORY + new >= self._known_from[slot]
+        self._feedback.add(lagged[keep_new], a[new][keep_new])
+        x = _lag_sums(a, rows)
+        z = _lag_sums(surprise, rows)
         cf = np.concatenate([[0.0], np.cumsum(past)])
         k = np.arange(_SMOOTH, _SMOOTH + finished.size)
         y = finished - (cf[k] - cf[k - _SMOOTH]) / _SMOOTH
         keep = seen - _HISTORY + rows >= self._known_from[slot]  # pass index known
         if keep.any():
-            self._gram += x[keep].T @ x[keep]
-            self._rhs += x[keep].T @ y[keep]
+            self._zx += z[keep].T @ x[keep]
+            self._zz += z[keep].T @ z[keep]
+            self._zy += z[keep].T @ y[keep]
             self._finished += float(finished[keep].sum())
         self._finishes[slot] = past[-_SMOOTH:]
         self._history[slot] = a[-_HISTORY:]
+        self._surprise[slot] = surprise[-_HISTORY:]
         self._decoding[slot] = float(decoding[-1])
         self._seen[slot] = seen + n
 
     def _decay(self, now: float) -> None:
         if self._time is not None and now > self._time:
             keep = 0.5 ** ((now - self._time) / self.half_life_s)
-            self._gram *= keep
-            self._rhs *= keep
+            self._zx *= keep
+            self._zz *= keep
+            self._zy *= keep
+            self._feedback.decay(keep)
             self._finished *= keep
         self._time = now if self._time is None else max(self._time, now)
 
@@ -166,13 +241,21 @@ class OutputLengthEstimator:
             self._flush(slot)
         if self._finished < self.min_finished:
             return ()
-        scale = float(np.trace(self._gram)) / len(_BINS)
+        k = len(_BINS)
+        scale = float(np.trace(self._zz)) / k
         if not scale > 0.0:
             return ()
-        ridge = self._gram + np.eye(len(_BINS)) * (1e-6 * scale)
-        per_lag = nnls_normal(ridge, self._rhs)
-        shares = per_lag * _WIDTH
+        # 2SLS: least squares of y on the part of x that z explains.
+        weight = np.linalg.solve(self._zz + np.eye(k) * (1e-9 * scale), self._zx)
+        gram = self._zx.T @ weight
+        gram = 0.5 * (gram + gram.T)
+        rhs = weight.T @ self._zy
+        ridge = gram + np.eye(k) * (1e-6 * float(np.trace(gram)) / k)
+        per_lag = nnls_normal(ridge, rhs)
+        shares = (per_lag * _WIDTH)[:_REPORTED]
+        # The longer bins only absorb what long outputs add (the high-pass leaves
+        # them poorly pinned), so they do not scale the reported shares down.
         total = float(shares.sum())
         if total > 1.0:
             shares = shares / total
-        return tuple(float(s) for s in shares[:_REPORTED])
+        return tuple(float(s) for s in shares)
