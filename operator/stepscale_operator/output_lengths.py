@@ -190,19 +190,21 @@ class OutputLengthEstimator:
             # An idle stream has no past to miss; otherwise wait out the longest lag.
             self._known_from[slot] = 0 if decoding[0] == 0 else _HISTORY
         a = np.concatenate([self._history[slot], finished_prefill])
+        # Passes whose departures this batch completes: from the stream's previous
+        # last pass (finished by this batch's first D) on.
+        first_row = _HISTORY - 1 if seen > 0 else _HISTORY
         if seen > 0:
-            # The stream's previous last pass is finished by this batch's first D.
-            rows = np.arange(_HISTORY - 1, _HISTORY + n - 1)
+            rows = np.arange(first_row, _HISTORY + n - 1)
             d_here = np.concatenate([[self._decoding[slot]], decoding[:-1]])
             d_after = decoding
         else:
-            rows = np.arange(_HISTORY, _HISTORY + n - 1)
+            rows = np.arange(first_row, _HISTORY + n - 1)
             d_here, d_after = decoding[:-1], decoding[1:]
         finished = d_here + a[rows] - d_after
         past = np.concatenate([self._finishes.get(slot, np.zeros(_SMOOTH)), finished])
         # The new passes' arrivals less what the departures before each predict.
         new = np.arange(_HISTORY, _HISTORY + n)
-        lagged = past[new[:, None] - rows[0] + _SMOOTH - np.arange(1, _FEEDBACK_LAGS + 1)]
+        lagged = past[new[:, None] - first_row + _SMOOTH - np.arange(1, _FEEDBACK_LAGS + 1)]
         surprise = np.concatenate(
             [self._surprise.get(slot, np.zeros(_HISTORY)), self._feedback.surprise(a[new], lagged)]
         )

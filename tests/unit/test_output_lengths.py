@@ -122,6 +122,20 @@ def test_output_lengths_are_not_biased_by_a_router_that_answers_departures() -> 
     assert sum(shares[:6]) == pytest.approx(sum(true[:6]), rel=0.1)
 
 
+def test_a_new_stream_asked_after_each_single_pass_is_learned_as_in_one_batch() -> None:
+    # The simulator's policies ask for shares every tick, when a new stream may have
+    # sent one pass: its first flush then completes no pass (the bench once crashed).
+    a, d, _ = _stream(20_000, seed=9)
+    stepwise = OutputLengthEstimator(half_life_s=1e9, min_finished=0.0)
+    for k in range(3):
+        stepwise.observe(0, a[k : k + 1], d[k : k + 1], now=0.0)
+        stepwise.shares()
+    stepwise.observe(0, a[3:], d[3:], now=0.0)
+    whole = OutputLengthEstimator(half_life_s=1e9, min_finished=0.0)
+    whole.observe(0, a, d, now=0.0)
+    assert stepwise.shares() == pytest.approx(whole.shares(), abs=1e-9)
+
+
 def test_output_lengths_wait_for_enough_requests_and_forget_a_stream() -> None:
     estimator = OutputLengthEstimator(half_life_s=1e9, min_finished=500.0)
     a, d, _ = _stream(5_000, seed=7)  # ~150 requests
