@@ -51,6 +51,15 @@ def test_burst_settings_reach_the_planner() -> None:
     assert planner_policy(parse_spec(BASE)).recurring_bursts == 3
 
 
+def test_routing_reaches_the_planner_and_defaults_to_the_services_random_spread() -> None:
+    assert parse_spec(BASE).autoscaling.routing == "random"
+    assert not planner_policy(parse_spec(BASE)).balanced_routing
+    balanced = parse_spec(spec_with(autoscaling={"routing": "balanced"}))
+    assert planner_policy(balanced).balanced_routing
+    with pytest.raises(SpecError, match="routing"):
+        parse_spec(spec_with(autoscaling={"routing": "round-robin"}))
+
+
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [

@@ -140,6 +140,7 @@ def planner_policy(spec: VllmDeploymentSpec) -> PlannerPolicy:
         initial_hold_s=a.scale_down_initial_hold_s,
         burst_memory_s=a.burst_memory_s,
         recurring_bursts=a.recurring_bursts,
+        balanced_routing=a.routing == "balanced",
         starting_timeout_s=max(600.0, 5.0 * a.startup_s),
         # A load estimate is made every round; it is "old" only if rounds stall.
         max_load_age_s=max(30.0, 3.0 * a.interval_s),

@@ -25,6 +25,9 @@ KIND = "VllmDeployment"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 MODES = ("auto", "advisory")
+# How requests reach the pods: the operator's Service spreads them at random
+# (kube-proxy); a load-aware gateway in front balances them (least outstanding).
+ROUTINGS = ("random", "balanced")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 RESERVED_ENV_PREFIX = "STEPSCALE_FPM_"
 DEFAULT_FPM_BASE_PORT = 20380
@@ -132,6 +135,7 @@ class AutoscalingSpec:
     scale_down_max_step: int = 1
     burst_memory_s: float = 900.0
     recurring_bursts: int = 3
+    routing: str = "random"
     startup_s: float = 120.0
     load_window_s: float = 30.0
     stale_after_s: float = 3.0
@@ -498,6 +502,7 @@ def _parse_autoscaling(r: _Reader, raw: Mapping[str, Any], p: str) -> Autoscalin
         scale_down_max_step=r.integer(down, "maxStep", f"{p}.scaleDown", 1, 1),
         burst_memory_s=r.number(bursts, "memorySeconds", f"{p}.bursts", 900.0, 0.0),
         recurring_bursts=r.integer(bursts, "recurringAfter", f"{p}.bursts", 3, 0),
+        routing=r.string(raw, "routing", p, "random", choices=ROUTINGS) or "random",
         startup_s=r.number(raw, "startupSeconds", p, 120.0, 0.0, MAX_STARTUP_S),
         load_window_s=r.number(metrics, "windowSeconds", f"{p}.metrics", 30.0, 1.0),
         stale_after_s=r.number(metrics, "staleAfterSeconds", f"{p}.metrics", 3.0, 1.0),
