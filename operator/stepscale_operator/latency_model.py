@@ -40,7 +40,7 @@ from statistics import NormalDist
 from typing import Protocol
 
 from stepscale_engine.wire import ScheduledRequestMetrics
-from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, PromptMix, itl_quantile
+from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, itl_quantile
 from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, LoadEstimate, prompt_bin_centers
 from stepscale_operator.quantile_search import exceedance_quantile
 
@@ -401,9 +401,6 @@ def predict_latency(
             load.output_intervals,
             variance_per_pass,
             q_tail,
-            PromptMix(rate * step, dispersion, tuple((n, f - f_d, p) for n, f, p in prefills)),
-            # Decode tokens per prompt: the mean count of intervals.
-            load.decode_tokens_per_s / rate if rate > 0.0 else 0.0,
         )
     else:
         # The prior: one request of a share of the mean output stands for the tail.
