@@ -110,10 +110,12 @@ _Q_COLS = [QUEUED_PREFILL_REQS, QUEUED_PREFILL_TOKENS, QUEUED_DECODE_REQS]
     _QS_DECODE_REQS,
     _DECODE_WALL_S,  # sum of decode requests x pass wall time: token-weighted ITL
     _PREFILL_WALL_S,  # sum of prefill requests x pass wall time: time spent in prefill
+    _PREFILL_PASSES,  # passes that carry a prefill chunk
+    _DECODE_AT_PREFILL,  # decode requests on those passes: who a prefill delays
     _QUEUE_LAST,  # queued prefill requests at the bucket's last message (not a sum)
     _QUEUE_SEEN,  # 1 when the bucket has a message (not a sum)
-) = range(18)
-_HIST = 18  # first of the prompt-length histogram columns (PROMPT_BIN_EDGES)
+) = range(20)
+_HIST = 20  # first of the prompt-length histogram columns (PROMPT_BIN_EDGES)
 _N_COLS = _HIST + len(PROMPT_BIN_EDGES)
 _QS_COLS = [_QS_PREFILL_REQS, _QS_PREFILL_TOKENS, _QS_DECODE_REQS]
 # Columns whose trend is reported, in LoadEstimate order.
@@ -139,12 +141,15 @@ _NEEDS_FRESH = frozenset(
         "busy_fraction",
         "prompt_histogram",
         "arrival_dispersion",
+        "prefill_pass_decode_deficit",
         "realized_itl_mean_ms",
         "realized_itl_tail_ms",
         "realized_ttft_mean_ms",
         "realized_ttft_tail_ms",
     }
 )
+# Fewer prefill passes than this in the window say nothing of who they delay.
+_MIN_PREFILL_PASSES_FOR_DEFICIT = 20
 # Fewer arrivals than this in the window say nothing of their dispersion.
 _MIN_ARRIVALS_FOR_DISPERSION = 20.0
 _TREND_FIELDS = frozenset(
@@ -399,6 +404,8 @@ class LoadEstimator:
         cols[:, _PROMPT_REQS_ALL] = np.where(has_prefill, n_pre, 0.0)
         cols[:, _DECODE_WALL_S] = n_dec * cols[:, _BUSY_S]
         cols[:, _PREFILL_WALL_S] = n_pre * cols[:, _BUSY_S]
+        cols[:, _PREFILL_PASSES] = has_prefill
+        cols[:, _DECODE_AT_PREFILL] = np.where(has_prefill, n_dec, 0.0)
         _add_prompt_lengths(cols, final, c + k, n_pre, s[:, SCHED_PREFILL_VAR])
         for stream, lo, hi in zip(streams, starts, ends, strict=True):
             passes = is_pass[lo:hi]
@@ -465,11 +472,13 @@ class LoadEstimator:
         if mean_prompt is None:
             mean_prompt = _ratio(totals[_PROMPT_TOKENS_ALL], totals[_PROMPT_REQS_ALL])
         decode_ctx = _ratio(totals[_DECODE_KV], totals[_DECODE_TOKENS])
+        deficit = _prefill_pass_decode_deficit(totals)
         hit_fraction = _ratio(cached, cached + prefill)
         for name, value in (
             ("mean_prompt_tokens", mean_prompt),
             ("mean_decode_context_tokens", decode_ctx),
             ("prefix_cache_hit_fraction", hit_fraction),
+            ("prefill_pass_decode_deficit", deficit),
         ):
             if value is None:
                 unavailable.add(name)
@@ -518,6 +527,7 @@ class LoadEstimator:
             queued_decode_requests_trend=float(trends[3]),
             prompt_histogram=shapes.prompt_histogram,
             arrival_dispersion=shapes.arrival_dispersion,
+            prefill_pass_decode_deficit=deficit or 0.0,
             output_interval_shares=self._outputs.shares(),
             realized_itl_mean_ms=shapes.realized_itl_mean_ms,
             realized_itl_tail_ms=shapes.realized_itl_tail_ms,
@@ -698,6 +708,15 @@ def _cell_latency(seconds: FloatArray, count: FloatArray, quantile: float) -> tu
     cumulative = np.cumsum(weight[order]) / weight.sum()
     tail = float(per[order][min(int(np.searchsorted(cumulative, quantile)), per.size - 1)])
     return float(seconds[has].sum() / weight.sum()) * 1e3, tail * 1e3
+
+
+def _prefill_pass_decode_deficit(totals: FloatArray) -> float | None:
+    """Mean decode batch of all passes less that of prefill-bearing ones (None: too
+    few prefill passes to tell)."""
+    if totals[_PREFILL_PASSES] < _MIN_PREFILL_PASSES_FOR_DEFICIT:
+        return None
+    at_prefill = totals[_DECODE_AT_PREFILL] / totals[_PREFILL_PASSES]
+    return float(totals[_DECODE_TOKENS] / totals[_PASSES] - at_prefill)
 
 
 def _ratio(num: float, den: float) -> float | None:

@@ -115,6 +115,10 @@ class LoadEstimate:
     # (1 for Poisson arrivals; 0: unknown).
     prompt_histogram: tuple[float, ...] = ()
     arrival_dispersion: float = 0.0
+    # Decode requests fewer on a pass that carries prefill than on the mean pass (0:
+    # none, or unknown): a router that sends prompts to the least busy replica spares
+    # that many of a replica's decode requests the prefill's delay.
+    prefill_pass_decode_deficit: float = 0.0
     # Share of finished requests per :data:`OUTPUT_INTERVAL_BINS` bin of output length
     # (empty: not measured yet), from when requests leave the decode batch against
     # when they finished prefill (see :mod:`~stepscale_operator.output_lengths`).

@@ -13,6 +13,7 @@ from stepscale_engine.wire import (
     heartbeat,
 )
 from stepscale_operator.load_estimate import LoadEstimator
+from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.stream_state import DEFAULT_STALE_AFTER_S
 
 
@@ -467,3 +468,34 @@ def test_realized_itl_is_pass_time_weighted_by_decode_requests() -> None:
     assert load.realized_itl_tail_ms >= load.realized_itl_mean_ms - 1e-9
     # One prompt per second, each in prefill for one 100 ms pass, nobody queued.
     assert load.realized_ttft_mean_ms == pytest.approx(100.0, rel=1e-6)
+
+
+def _decodes_spared_by_prefill(seconds: int) -> LoadEstimate:
+    # Per second: 9 decode passes with 10 decode requests, one prefill pass with 2 (a
+    # router that sends prompts to the replica with the fewest requests).
+    est = _with_budget(LoadEstimator(window_s=30.0))
+    counter = 0
+    for s in range(seconds):
+        for i in range(10):
+            counter += 1
+            sched = DECODE
+            if i == 9:
+                sched = ScheduledRequestMetrics(
+                    num_prefill_requests=1,
+                    sum_prefill_tokens=2000,
+                    num_decode_requests=2,
+                    sum_decode_kv_tokens=1000,
+                )
+            est.observe(_msg(counter, sched), s + i / 10.0)
+    return est.estimate(float(seconds))
+
+
+def test_prefill_passes_that_carry_fewer_decodes_than_the_mean_give_the_deficit() -> None:
+    load = _decodes_spared_by_prefill(25)
+    # The mean pass carries (9 x 10 + 2) / 10 = 9.2 decode requests, a prefill pass 2.
+    assert load.prefill_pass_decode_deficit == pytest.approx(7.2, rel=1e-6)
+    assert "prefill_pass_decode_deficit" not in load.unavailable
+    # Ten prefill passes say too little: unknown, not zero.
+    few = _decodes_spared_by_prefill(10)
+    assert "prefill_pass_decode_deficit" in few.unavailable
+    assert few.to_dict()["prefill_pass_decode_deficit"] is None
