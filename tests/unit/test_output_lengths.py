@@ -10,7 +10,7 @@ import numpy.typing as npt
 import pytest
 
 from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics
-from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, itl_quantile
+from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, PromptMix, itl_quantile
 from stepscale_operator.latency_model import EngineLimits, PerReplicaLoad, predict_latency
 from stepscale_operator.load_estimate import LoadEstimator
 from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS
@@ -235,3 +235,38 @@ def test_measured_short_outputs_raise_the_predicted_itl_tail_and_the_prior_stays
 
 def _with(load: PerReplicaLoad, bins: tuple[tuple[int, int, float], ...]) -> PerReplicaLoad:
     return replace(load, output_intervals=bins)
+
+
+def test_prompt_mix_extra_time_has_the_compound_mean_and_variance() -> None:
+    # 90% one-chunk prompts adding 10 ms, 10% eight-chunk ones adding 30 ms a chunk,
+    # 0.05 prompts per pass with dispersion 3, over 100 passes.
+    mix = PromptMix(0.05, 3.0, ((1.0, 0.010, 0.9), (8.0, 0.030, 0.1)))
+    step, cdf = mix.extra_cdf(100)
+    pmf = np.diff(np.concatenate([[0.0], cdf]))
+    grid = np.arange(cdf.size) * step
+    mean_x = 0.9 * 0.010 + 0.1 * 0.240
+    second_x = 0.9 * 0.010**2 + 0.1 * 0.240**2
+    count = 5.0  # prompts over the 100 passes; their variance is 3 x 5
+    assert float(pmf @ grid) == pytest.approx(count * mean_x, rel=1e-3)
+    variance = float(pmf @ grid**2) - float(pmf @ grid) ** 2
+    want = count * (second_x - mean_x**2) + 3.0 * count * mean_x**2
+    assert variance == pytest.approx(want, rel=0.02)
+
+
+def test_a_prompt_rarer_than_the_tail_moves_the_variance_not_the_long_outputs_p99() -> None:
+    # 0.5% of prompts take 100 chunks of 200 ms: rarer than 1 in 100 requests' lives.
+    passes = PassTimes(decode_s=0.010, prefill_s=0.014, mean_s=0.0125)
+    classes = ((1.0, 0.004, 0.995), (100.0, 0.200, 0.005))
+    mix = PromptMix(0.01, 1.0, classes)
+    long_only = tuple((a, b, 0.0) for a, b in OUTPUT_INTERVAL_BINS)  # all past the bins
+    chain = PrefillPassChain.of(0.02, 0.02)
+    compound = itl_quantile(passes, chain, long_only, 0.02, 0.01, mix, 128.0)
+    # A normal with the compound's variance: mean extra per pass 0.01 x (0.995 x
+    # 0.004 + 0.005 x 20), over 128 passes.
+    mean_x = 0.995 * 0.004 + 0.005 * 20.0
+    second_x = 0.995 * 0.004**2 + 0.005 * 20.0**2
+    sd = math.sqrt(0.01 * 128 * second_x) / 128
+    normal = passes.decode_s + 0.01 * mean_x + 2.326 * sd
+    assert compound < 0.5 * normal
+    # The common prompts still set it: a little above a decode pass.
+    assert passes.decode_s < compound < passes.decode_s + 0.004
