@@ -445,14 +445,16 @@ def test_queue_growth_counts_as_arrivals() -> None:
     assert load.arrival_dispersion > 2.0
 
 
-def test_realized_itl_is_pass_time_weighted_by_decode_requests() -> None:
+def _one_prefill_pass_a_second(seconds: int) -> LoadEstimate:
+    # Per second: 9 decode passes of 10 ms with 10 decode requests, then one prefill
+    # pass of 100 ms with 2 (a router that sends prompts to the replica with the
+    # fewest requests).
     est = _with_budget(LoadEstimator(window_s=30.0))
     counter = 0
-    for s in range(20):
+    for s in range(seconds):
         for i in range(10):
             counter += 1
-            # 9 decode passes of 10 ms with 10 decodes, one slow prefill pass of 100 ms
-            # with 2 decodes: per token (90*10 + 2*100) / 92 ms.
+            sched, wall = DECODE, 0.01
             if i == 9:
                 sched = ScheduledRequestMetrics(
                     num_prefill_requests=1,
@@ -460,42 +462,26 @@ def test_realized_itl_is_pass_time_weighted_by_decode_requests() -> None:
                     num_decode_requests=2,
                     sum_decode_kv_tokens=1000,
                 )
-                est.observe(_msg(counter, sched, wall=0.1), s + i / 10.0)
-            else:
-                est.observe(_msg(counter, DECODE, wall=0.01), s + i / 10.0)
-    load = est.estimate(20.0)
+                wall = 0.1
+            est.observe(_msg(counter, sched, wall=wall), s + i / 10.0)
+    return est.estimate(float(seconds))
+
+
+def test_realized_itl_is_pass_time_weighted_by_decode_requests() -> None:
+    load = _one_prefill_pass_a_second(20)
+    # Per token (90*10 + 2*100) / 92 ms.
     assert load.realized_itl_mean_ms == pytest.approx((90 * 10 + 2 * 100) / 92, rel=1e-6)
     assert load.realized_itl_tail_ms >= load.realized_itl_mean_ms - 1e-9
     # One prompt per second, each in prefill for one 100 ms pass, nobody queued.
     assert load.realized_ttft_mean_ms == pytest.approx(100.0, rel=1e-6)
 
 
-def _decodes_spared_by_prefill(seconds: int) -> LoadEstimate:
-    # Per second: 9 decode passes with 10 decode requests, one prefill pass with 2 (a
-    # router that sends prompts to the replica with the fewest requests).
-    est = _with_budget(LoadEstimator(window_s=30.0))
-    counter = 0
-    for s in range(seconds):
-        for i in range(10):
-            counter += 1
-            sched = DECODE
-            if i == 9:
-                sched = ScheduledRequestMetrics(
-                    num_prefill_requests=1,
-                    sum_prefill_tokens=2000,
-                    num_decode_requests=2,
-                    sum_decode_kv_tokens=1000,
-                )
-            est.observe(_msg(counter, sched), s + i / 10.0)
-    return est.estimate(float(seconds))
-
-
 def test_prefill_passes_that_carry_fewer_decodes_than_the_mean_give_the_deficit() -> None:
-    load = _decodes_spared_by_prefill(25)
+    load = _one_prefill_pass_a_second(25)
     # The mean pass carries (9 x 10 + 2) / 10 = 9.2 decode requests, a prefill pass 2.
     assert load.prefill_pass_decode_deficit == pytest.approx(7.2, rel=1e-6)
     assert "prefill_pass_decode_deficit" not in load.unavailable
     # Ten prefill passes say too little: unknown, not zero.
-    few = _decodes_spared_by_prefill(10)
+    few = _one_prefill_pass_a_second(10)
     assert "prefill_pass_decode_deficit" in few.unavailable
     assert few.to_dict()["prefill_pass_decode_deficit"] is None
