@@ -189,7 +189,7 @@ def itl_quantile(
         return passes.mean_s
     extra = max(passes.prefill_s - passes.decode_s, 0.0)
     # Short outputs: every (ITL, probability) the chain gives, sorted, so the share
-    # above x is one search; long ones: normal around the mean pass.
+    # above x is one search.
     exact = [(m, share) for m, share in points if m <= EXACT_INTERVALS]
     values: list[npt.NDArray[np.float64]] = []
     weights: list[npt.NDArray[np.float64]] = []
@@ -204,17 +204,17 @@ def itl_quantile(
     above = np.concatenate(
         [np.cumsum((np.concatenate(weights) if weights else vals)[order][::-1])[::-1], [0.0]]
     )
-    long = [(m, share) for m, share in points if m > EXACT_INTERVALS]
-    compound = [(m, share, *prompts.extra_cdf(m)) for m, share in long] if prompts else []
-    normals = [
-        (
-            share,
-            NormalDist(
-                passes.mean_s, max(extra * math.sqrt(max(variance_per_pass, 0.0) / m), 1e-12)
-            ),
-        )
-        for m, share in (long if not prompts else [])
-    ]
+    # Long ones: the compound sum when the prompt mix is known, else a normal.
+    compound: list[tuple[int, float, float, npt.NDArray[np.float64]]] = []
+    normals: list[tuple[float, NormalDist]] = []
+    for m, share in points:
+        if m <= EXACT_INTERVALS:
+            continue
+        if prompts is not None:
+            compound.append((m, share, *prompts.extra_cdf(m)))
+        else:
+            sd = extra * math.sqrt(max(variance_per_pass, 0.0) / m)
+            normals.append((share, NormalDist(passes.mean_s, max(sd, 1e-12))))
 
     def exceed(x: float) -> float:
         total = float(above[np.searchsorted(vals, x, side="right")])

@@ -193,12 +193,11 @@ class OutputLengthEstimator:
         # Passes whose departures this batch completes: from the stream's previous
         # last pass (finished by this batch's first D) on.
         first_row = _HISTORY - 1 if seen > 0 else _HISTORY
+        rows = np.arange(first_row, _HISTORY + n - 1)
         if seen > 0:
-            rows = np.arange(first_row, _HISTORY + n - 1)
             d_here = np.concatenate([[self._decoding[slot]], decoding[:-1]])
             d_after = decoding
         else:
-            rows = np.arange(first_row, _HISTORY + n - 1)
             d_here, d_after = decoding[:-1], decoding[1:]
         finished = d_here + a[rows] - d_after
         past = np.concatenate([self._finishes.get(slot, np.zeros(_SMOOTH)), finished])
