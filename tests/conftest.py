@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
@@ -11,11 +12,40 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DIR = REPO_ROOT.parent / "shared"
 
 
-def free_tcp_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_tcp_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive loopback TCP ports that nothing listens on now.
+
+    The ports lie below the kernel's ephemeral range. A subscriber that keeps
+    reconnecting to a loopback port nobody has bound yet (the collectors start
+    before the engine) can otherwise draw that very port as its own source port
+    and connect to itself, which takes the port from the publisher (a CI run
+    lost a data-parallel rank's stream this way).
+    """
+    low, _ = _ephemeral_port_range()
+    rng = random.Random()
+    for _ in range(1000):
+        base = rng.randrange(10000, low - count)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free TCP ports below {low}")
 
 
 @pytest.fixture

@@ -47,7 +47,9 @@ def test_server_publishes_fpm_while_serving_http(
     try:
         with api_server(tiny_model, port, "api-pod-0", log) as base:
             # Idle engine: heartbeats prove the stream is up before any request.
-            assert collector.wait_for(lambda ms: any(m.is_heartbeat for m in ms), 30.0)
+            assert collector.wait_for(lambda ms: any(m.is_heartbeat for m in ms), 30.0), (
+                "no heartbeat from the idle engine:\n" + log.read_text()[-4000:]
+            )
             before = len(collector.messages)
             completion_tokens = serve_batch(base)
             assert completion_tokens == [OUTPUT_TOKENS] * len(PROMPTS)
@@ -63,14 +65,16 @@ def test_server_publishes_fpm_while_serving_http(
 def test_each_data_parallel_rank_publishes_on_its_own_port(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    base_port = free_tcp_port()
+    base_port = free_tcp_port(count=2)
     collectors = [FpmCollector(f"tcp://127.0.0.1:{base_port + r}").start() for r in (0, 1)]
     log = tmp_path_factory.mktemp("api-dp") / "server.log"
     try:
         with api_server(tiny_model, base_port, "dp-pod", log,
                         ["--data-parallel-size", "2"]) as base:
-            for collector in collectors:
-                assert collector.wait_for(lambda ms: any(m.is_heartbeat for m in ms), 60.0)
+            for rank, collector in enumerate(collectors):
+                assert collector.wait_for(lambda ms: any(m.is_heartbeat for m in ms), 60.0), (
+                    f"no heartbeat from rank {rank}:\n" + log.read_text()[-4000:]
+                )
             starts = [len(c.messages) for c in collectors]
             completion_tokens = serve_batch(base)
             for collector in collectors:
