@@ -141,6 +141,7 @@ _NEEDS_FRESH = frozenset(
         "busy_fraction",
         "prompt_histogram",
         "arrival_dispersion",
+        "replica_arrival_dispersion",
         "prefill_pass_decode_deficit",
         "realized_itl_mean_ms",
         "realized_itl_tail_ms",
@@ -490,14 +491,16 @@ class LoadEstimator:
         trends, prefill_queue_change, recent_demand = found
         shapes = self._shapes(ids, in_window, sums, bucket)
         if shapes is None:
-            unavailable |= {"prompt_histogram", "arrival_dispersion"}
+            unavailable |= {"prompt_histogram", "arrival_dispersion", "replica_arrival_dispersion"}
             unavailable |= {n for n in _REALIZED_FIELDS}
-            shapes = _Shapes((), 0.0, 0.0, 0.0, 0.0, 0.0)
+            shapes = _Shapes((), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         else:
             if not shapes.prompt_histogram:
                 unavailable.add("prompt_histogram")
             if shapes.arrival_dispersion <= 0.0:
                 unavailable.add("arrival_dispersion")
+            if shapes.replica_arrival_dispersion <= 0.0:
+                unavailable.add("replica_arrival_dispersion")
             for name in _REALIZED_FIELDS:
                 if getattr(shapes, name) <= 0.0:
                     unavailable.add(name)
@@ -527,6 +530,7 @@ class LoadEstimator:
             queued_decode_requests_trend=float(trends[3]),
             prompt_histogram=shapes.prompt_histogram,
             arrival_dispersion=shapes.arrival_dispersion,
+            replica_arrival_dispersion=shapes.replica_arrival_dispersion,
             prefill_pass_decode_deficit=deficit or 0.0,
             output_interval_shares=self._outputs.shares(),
             realized_itl_mean_ms=shapes.realized_itl_mean_ms,
@@ -559,14 +563,14 @@ class LoadEstimator:
         rows = np.repeat(np.arange(ids.shape[0]), ids.shape[1])
         grid[rows, age.ravel()] = sums.reshape(-1, _N_COLS)
         grid = grid[:, :n][:, ::-1]  # oldest first
-        dispersion = _dispersion(grid)
+        dispersion, replica_dispersion = _dispersions(grid)
         cells = grid.reshape(-1, _N_COLS)
         q = self.tail_quantile
         itl = _cell_latency(cells[:, _DECODE_WALL_S], cells[:, _DECODE_TOKENS], q)
         ttft = _cell_latency(
             cells[:, _QS_PREFILL_REQS] + cells[:, _PREFILL_WALL_S], cells[:, _PREFILL_FINISHED], q
         )
-        return _Shapes(histogram, dispersion, *itl, *ttft)
+        return _Shapes(histogram, dispersion, replica_dispersion, *itl, *ttft)
 
     def _trends(
         self,
@@ -645,6 +649,7 @@ _REALIZED_FIELDS = (
 class _Shapes:
     prompt_histogram: tuple[float, ...]
     arrival_dispersion: float
+    replica_arrival_dispersion: float
     realized_itl_mean_ms: float
     realized_itl_tail_ms: float
     realized_ttft_mean_ms: float
@@ -677,24 +682,46 @@ def _add_prompt_lengths(
         np.add.at(cols, (rows, _HIST + idx), n / 2.0)
 
 
-def _dispersion(grid: FloatArray) -> float:
-    """Variance over mean of the fleet's arrivals per bucket (0: too few to tell).
+def _dispersions(grid: FloatArray) -> tuple[float, float]:
+    """Variance over mean of arrivals per bucket: the fleet's, and one replica's
+    (0: too few to tell).
 
     Arrivals of a stream in a bucket = prompts that finished prefill there plus the
     growth of its prefill queue since the bucket before (mass balance); the queue
     holds across buckets without a message. The oldest bucket (no queue before it)
     and the newest (still filling) are left out.
+
+    One replica's is pooled over streams: each stream's deviations from its own
+    mean, over the buckets since its first message (a pod that joined mid-window
+    had no arrivals before, and that is no burst). It shows what the router does
+    to the fleet's arrivals: a random spread keeps a share of their clumping, a
+    balancing router sends a clump's requests to different replicas.
     """
     queue = grid[:, :, _QUEUE_LAST].copy()
     seen = grid[:, :, _QUEUE_SEEN] > 0.0
     for j in range(1, queue.shape[1]):
         queue[:, j] = np.where(seen[:, j], queue[:, j], queue[:, j - 1])
-    arrivals = grid[:, 1:, _PREFILL_FINISHED] + np.diff(queue, axis=1)
-    fleet = arrivals.sum(axis=0)[:-1]
+    arrivals = (grid[:, 1:, _PREFILL_FINISHED] + np.diff(queue, axis=1))[:, :-1]
+    fleet = arrivals.sum(axis=0)
     if fleet.size < 3 or fleet.sum() < _MIN_ARRIVALS_FOR_DISPERSION:
-        return 0.0
+        return 0.0, 0.0
     mean = float(fleet.mean())
-    return float(fleet.var(ddof=1) / mean) if mean > 0.0 else 0.0
+    fleet_dispersion = float(fleet.var(ddof=1) / mean) if mean > 0.0 else 0.0
+    # A stream's buckets from the first with a message before it (its queue known).
+    active = np.cumsum(seen[:, :-2], axis=1) > 0
+    counts = active.sum(axis=1)
+    pooled = counts >= 3
+    if not pooled.any():
+        return fleet_dispersion, 0.0
+    a = np.where(active, arrivals, 0.0)[pooled]
+    n = counts[pooled].astype(float)
+    means = a.sum(axis=1) / n
+    squares = (np.where(active[pooled], a - means[:, None], 0.0) ** 2).sum()
+    total_mean = float(a.sum() / n.sum())
+    if total_mean <= 0.0:
+        return fleet_dispersion, 0.0
+    replica_dispersion = float(squares / (n - 1.0).sum()) / total_mean
+    return fleet_dispersion, replica_dispersion
 
 
 def _cell_latency(seconds: FloatArray, count: FloatArray, quantile: float) -> tuple[float, float]:

@@ -115,6 +115,9 @@ class LoadEstimate:
     # (1 for Poisson arrivals; 0: unknown).
     prompt_histogram: tuple[float, ...] = ()
     arrival_dispersion: float = 0.0
+    # The same for one replica's arrivals, pooled over streams (0: unknown): what the
+    # router leaves of the fleet's clumping at the current count of streams.
+    replica_arrival_dispersion: float = 0.0
     # Decode requests fewer on a pass that carries prefill than on the mean pass (0:
     # none, or unknown): a router that sends prompts to the least busy replica spares
     # that many of a replica's decode requests the prefill's delay.

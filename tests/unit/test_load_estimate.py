@@ -368,7 +368,9 @@ def _with_budget(est: LoadEstimator, tokens: int = 131_072) -> LoadEstimator:
     return est
 
 
-def _one_prompt_pass(counter: int, prompt: int, decodes: int = 4) -> ForwardPassMetrics:
+def _one_prompt_pass(
+    counter: int, prompt: int, decodes: int = 4, worker: str = "w"
+) -> ForwardPassMetrics:
     """A pass that finishes one whole prompt of ``prompt`` tokens beside ``decodes``."""
     sched = ScheduledRequestMetrics(
         num_prefill_requests=1,
@@ -376,7 +378,7 @@ def _one_prompt_pass(counter: int, prompt: int, decodes: int = 4) -> ForwardPass
         num_decode_requests=decodes,
         sum_decode_kv_tokens=decodes * 500,
     )
-    return _msg(counter, sched, wall=0.05)
+    return _msg(counter, sched, worker=worker, wall=0.05)
 
 
 def test_prompt_histogram_keeps_the_tail_of_the_lengths() -> None:
@@ -429,6 +431,55 @@ def test_arrival_dispersion_tells_bursts_from_steady_arrivals() -> None:
     assert steady == pytest.approx(0.0, abs=0.05)  # perfectly regular: no variance
     # Poisson arrivals give 1; these come in bursts of 20 every 6 s.
     assert bursty > 5.0
+
+
+def _replica_arrivals(
+    per_stream: dict[str, list[int]], start: dict[str, int] | None = None
+) -> LoadEstimate:
+    """The estimate when ``per_stream[w][s]`` prompts finish on stream ``w`` in second s
+    (from second ``start[w]`` on: a pod that joined then)."""
+    est = LoadEstimator(window_s=30.0)
+    counter = 0
+    seconds = max(len(v) for v in per_stream.values())
+    for worker in per_stream:  # each stream's token budget, long before the window
+        counter += 1
+        budget = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=131_072)
+        est.observe(_msg(counter, budget, worker=worker), -100.0)
+    for s in range(seconds):
+        for worker, counts in per_stream.items():
+            if s < (start or {}).get(worker, 0):
+                continue
+            for i in range(counts[s]):
+                counter += 1
+                at = s + (i + 0.5) / (counts[s] + 1)
+                est.observe(_one_prompt_pass(counter, 800, worker=worker), at)
+            counter += 1
+            est.observe(_msg(counter, DECODE, worker=worker), s + 0.999)
+    return est.estimate(float(seconds))
+
+
+def test_replica_arrival_dispersion_shows_what_the_router_did_to_the_fleets_arrivals() -> None:
+    # A steady fleet total of 8 a second, split alternately: all to one pod, then all
+    # to the other. The fleet's arrivals are regular, each replica's come in bursts.
+    alternating = _replica_arrivals({"a": [8, 0] * 15, "b": [0, 8] * 15})
+    assert alternating.arrival_dispersion == pytest.approx(0.0, abs=0.05)
+    assert alternating.replica_arrival_dispersion > 3.0
+    # Bursts of 20 every 6 s split evenly: both the fleet's and each replica's bursty.
+    even = _replica_arrivals({"a": [0, 0, 0, 0, 0, 10] * 5, "b": [0, 0, 0, 0, 0, 10] * 5})
+    assert even.arrival_dispersion > 5.0 and even.replica_arrival_dispersion > 2.5
+    assert even.replica_arrival_dispersion < even.arrival_dispersion
+
+
+def test_a_pod_that_joined_mid_window_is_no_burst_to_its_replica_dispersion() -> None:
+    load = _replica_arrivals({"a": [4] * 30, "b": [4] * 30}, start={"b": 15})
+    # Its 15 silent seconds before it existed are not arrivals it missed.
+    assert load.replica_arrival_dispersion == pytest.approx(0.0, abs=0.05)
+
+
+def test_replica_arrival_dispersion_is_unknown_without_arrivals() -> None:
+    load = _replica_arrivals({"a": [0] * 30})
+    assert load.replica_arrival_dispersion == 0.0
+    assert "replica_arrival_dispersion" in load.unavailable
 
 
 def test_queue_growth_counts_as_arrivals() -> None:

@@ -15,6 +15,7 @@ from stepscale_operator.latency_model import (
     SloTargets,
     all_replicas_occupied,
     predict_latency,
+    replica_dispersion_at,
     smallest_replicas_within_slo,
 )
 from stepscale_operator.load_types import LoadEstimate
@@ -687,6 +688,38 @@ def test_a_balancing_router_makes_each_replica_queue_less_than_poisson() -> None
     assert of_eight.ttft_mean_ms - _wait_free_ttft_ms(per) == pytest.approx(
         service * (1.0 / 8.0 + 1.0) / 2.0, rel=1e-6
     )
+
+
+def test_a_measured_replica_dispersion_replaces_the_routing_assumption() -> None:
+    # Behind a balancing router over large decode batches the router follows decode
+    # departures and one replica's arrivals come nearly at random: measured 1.0, the
+    # queue is Poisson's, not the even split's (CV^2 1/8) that the assumption gives.
+    fleet = replace(load_of(14.0 * 8), replica_arrival_dispersion=1.0, arrival_dispersion=1.0)
+    measured = PerReplicaLoad.from_estimate(fleet, 8)
+    assumed = replace(measured, replica_arrival_dispersion=0.0)
+    policy = PlannerPolicy()
+    alone = predict_latency(LinearStepTime(), assumed, ENGINE, policy, 1)
+    with_measured = predict_latency(LinearStepTime(), measured, ENGINE, policy, 8)
+    with_assumed = predict_latency(LinearStepTime(), assumed, ENGINE, policy, 8)
+    assert with_measured.ttft_mean_ms == pytest.approx(alone.ttft_mean_ms, rel=1e-6)
+    assert with_assumed.ttft_mean_ms < with_measured.ttft_mean_ms
+
+
+def test_replica_dispersion_moves_with_the_count_as_a_thinned_count_does() -> None:
+    # Spread at random over n, arrivals of fleet dispersion D reach one replica with
+    # 1 + (D - 1) / n: measured so at 4 replicas, it is carried to 8 and 2 exactly.
+    fleet = 9.0
+    at_4 = 1.0 + (fleet - 1.0) / 4
+    assert replica_dispersion_at(at_4, fleet, 4, 8) == pytest.approx(1.0 + (fleet - 1.0) / 8)
+    assert replica_dispersion_at(at_4, fleet, 4, 2) == pytest.approx(1.0 + (fleet - 1.0) / 2)
+    assert replica_dispersion_at(at_4, fleet, 4, 4) == pytest.approx(at_4)
+    # A balancing router's offset below the random spread is kept ...
+    assert replica_dispersion_at(at_4 - 1.0, fleet, 4, 8) == pytest.approx(fleet / 8)
+    # ... but never below an even split of every second's arrivals.
+    assert replica_dispersion_at(0.5, fleet, 4, 8) == pytest.approx(fleet / 8)
+    # Unknown stays unknown; an unknown fleet dispersion keeps the measurement.
+    assert replica_dispersion_at(0.0, fleet, 4, 8) == 0.0
+    assert replica_dispersion_at(0.7, 0.0, 4, 8) == 0.7
 
 
 def test_all_replicas_are_occupied_only_when_the_fleet_holds_enough_requests() -> None:

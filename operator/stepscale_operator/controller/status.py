@@ -172,6 +172,7 @@ _LOAD_FIELDS = {
     "queued_decode_requests_trend": "queuedDecodeRequestsTrend",
     "missing_streams": "missingStreams",
     "arrival_dispersion": "arrivalDispersion",
+    "replica_arrival_dispersion": "replicaArrivalDispersion",
     "prefill_pass_decode_deficit": "prefillPassDecodeDeficit",
 }
 
