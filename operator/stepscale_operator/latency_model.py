@@ -21,14 +21,13 @@ Per replica, with the load spread evenly by the router:
   (Kingman's mean wait, exponential tail for the quantile): behind a balancing
   router (``balanced_routing``: least outstanding requests, round robin) each
   replica's arrivals are far more regular than Poisson, interarrival CV^2 about
-  1/replicas. Taking them as Poisson (M/G/1) over-predicted the simulated mean
-  TTFT by 25-40% at 8-10 replicas on the Azure trace; with it, 2-6%. Such a
-  router also sends a prompt to an empty replica while there is one, so a prompt
-  waits behind another's prefill only when every replica holds a request
-  (:func:`all_replicas_occupied`): busy replicas (a decode batch each) change
-  nothing, but rare long prompts over many replicas almost never wait. Without
-  it, the long-context scenario's TTFT quantile asked for up to 52 replicas where
-  a static 18 served every prompt that could be served in time.
+  1/replicas, was the assumption; the load estimate now measures it
+  (``replica_arrival_dispersion``). Such a router also sends a prompt away from
+  a replica that is prefilling whenever that one holds more requests than
+  another (:func:`least_loaded_prefilling`): over large decode batches that
+  changes little, but rare long prompts over many replicas almost never wait.
+  Without it, the long-context scenario's TTFT quantile asked for up to 52
+  replicas where a static 18 served every prompt that could be served in time.
 """
 
 from __future__ import annotations
@@ -286,27 +285,43 @@ def _ttft_exceedance(
     return exceed
 
 
-def all_replicas_occupied(replicas: int, in_replica: float, dispersion: float) -> float:
-    """Chance that an arrival finds every one of ``replicas`` holding a request.
+def least_loaded_prefilling(replicas: int, batch: float, busy: float) -> float:
+    """Chance that the replica a least-outstanding router picks is prefilling.
 
-    ``in_replica`` is the mean number of requests a replica holds (decoding,
-    prefilling or waiting). The fleet's count is taken as normal with that mean
-    times ``replicas`` and the variance of a count with the arrivals' dispersion
-    (Poisson: variance = mean), shifted by what an arrival sees beyond the time
-    average: Poisson arrivals see the time average, but one arriving in a clump
-    also finds the rest of its clump (``dispersion - 1`` more, over a second). So
-    bursty arrivals fill every replica more often. One replica is always "every
-    replica".
+    A replica holds its decode requests, Poisson with mean ``batch`` (the count of
+    an infinite-server queue; a balancing router narrows it, so this errs towards
+    waiting), plus one more while it prefills, with chance ``busy``. The router
+    picks the replica holding the fewest (ties at random); among those holding
+    ``k``, the share prefilling is busy * P(k - 1) / (busy * P(k - 1) +
+    (1 - busy) * P(k)). Over large decode batches a prefill is lost in the
+    batches' spread and the chance is ``busy`` (a random spread's); over small
+    ones, or with empty replicas, a prefilling replica is rarely the least loaded.
+    One replica: it is picked, prefilling or not.
     """
-    if replicas <= 1:
-        return 1.0
-    mean = replicas * max(in_replica, 0.0)
-    if mean <= 0.0:
-        return 0.0
-    clumping = max(dispersion, 1.0)
-    seen = mean + clumping - 1.0  # what an arrival finds: the time average and its clump
-    spread = math.sqrt(mean * clumping)
-    return 1.0 - NormalDist(seen, spread).cdf(replicas - 0.5)
+    busy = min(max(busy, 0.0), 1.0)
+    if replicas <= 1 or busy in (0.0, 1.0):
+        return busy
+    batch = max(batch, 0.0)
+    spread = 12.0 * math.sqrt(batch) + 20.0
+    low, high = max(0, int(batch - spread)), int(batch + spread) + 1
+
+    def poisson(k: int) -> float:
+        if k < 0:
+            return 0.0
+        if batch == 0.0:
+            return 1.0 if k == 0 else 0.0
+        return math.exp(k * math.log(batch) - batch - math.lgamma(k + 1))
+
+    held = [(1.0 - busy) * poisson(k) + busy * poisson(k - 1) for k in range(low, high + 2)]
+    beyond = [0.0] * (len(held) + 1)  # P(a replica holds at least low + i)
+    for i in range(len(held) - 1, -1, -1):
+        beyond[i] = beyond[i + 1] + held[i]
+    total = 0.0
+    for i, k in enumerate(range(low, high + 1)):
+        fewest_here = beyond[i] ** replicas - beyond[i + 1] ** replicas
+        if fewest_here > 0.0 and held[i] > 0.0:
+            total += fewest_here * busy * poisson(k - 1) / held[i]
+    return min(total, 1.0)
 
 
 def no_replicas_prediction() -> LatencyPrediction:
@@ -486,15 +501,17 @@ def predict_latency(
     else:
         arrival_cv2 = dispersion
     wait_mean = rho * service * (arrival_cv2 + service_cv2) / (2.0 * (1.0 - rho))
-    # A balancing router sends a prompt to an empty replica while there is one: it
-    # waits behind another prompt's prefill only when every replica holds a request.
-    # That scales the chance of waiting (rho for one queue), not how long a wait is.
-    occupied = 1.0
+    # Kingman's mean is over all prompts, of which a share ``rho`` wait (M/G/1). A
+    # router that balances on outstanding requests sends a prompt elsewhere when
+    # the replica that is prefilling holds more than another: the share that waits
+    # is the chance the least loaded one is prefilling, and how long a wait lasts
+    # is unchanged. A prompt in a clump finds the clump's earlier prompts still
+    # prefilling (``dispersion - 1`` more a second, for one service time each).
+    p_wait = rho
     if policy.balanced_routing:
-        in_replica = batch + rho + rate * wait_mean
-        occupied = all_replicas_occupied(replicas, in_replica, dispersion)
-    wait_mean *= occupied
-    p_wait = rho * occupied
+        clump = max(dispersion - 1.0, 0.0) * min(service, 1.0) / max(replicas, 1)
+        p_wait = least_loaded_prefilling(replicas, batch, min(rho + clump, 1.0))
+    wait_mean *= p_wait / rho if rho > 0.0 else 0.0
     ttft_mean = wait_mean + service + f_d / 2.0
     unreachable = 0.0
     reachable = services

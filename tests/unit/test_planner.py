@@ -13,7 +13,7 @@ from stepscale_operator.latency_model import (
     EngineLimits,
     PerReplicaLoad,
     SloTargets,
-    all_replicas_occupied,
+    least_loaded_prefilling,
     predict_latency,
     replica_dispersion_at,
     smallest_replicas_within_slo,
@@ -684,9 +684,12 @@ def test_a_balancing_router_makes_each_replica_queue_less_than_poisson() -> None
     assert random_eight.ttft_mean_ms == pytest.approx(alone.ttft_mean_ms)
     assert of_eight.itl_mean_ms == pytest.approx(alone.itl_mean_ms)  # queueing only
     service = alone.ttft_mean_ms - _wait_free_ttft_ms(per)
-    # Kingman: the wait scales with (CV_a^2 + CV_s^2) / 2 = (1/8 + 1) / 2 of Poisson's.
+    # Kingman: the wait scales with (CV_a^2 + CV_s^2) / 2 = (1/8 + 1) / 2 of Poisson's,
+    # and the share that waits by how often the least loaded replica is prefilling.
+    rho = of_eight.prefill_utilisation
+    share = least_loaded_prefilling(8, of_eight.decode_batch, rho) / rho
     assert of_eight.ttft_mean_ms - _wait_free_ttft_ms(per) == pytest.approx(
-        service * (1.0 / 8.0 + 1.0) / 2.0, rel=1e-6
+        service * (1.0 / 8.0 + 1.0) / 2.0 * share, rel=1e-6
     )
 
 
@@ -697,11 +700,14 @@ def test_a_measured_replica_dispersion_replaces_the_routing_assumption() -> None
     fleet = replace(load_of(14.0 * 8), replica_arrival_dispersion=1.0, arrival_dispersion=1.0)
     measured = PerReplicaLoad.from_estimate(fleet, 8)
     assumed = replace(measured, replica_arrival_dispersion=0.0)
-    policy = PlannerPolicy()
-    alone = predict_latency(LinearStepTime(), assumed, ENGINE, policy, 1)
-    with_measured = predict_latency(LinearStepTime(), measured, ENGINE, policy, 8)
-    with_assumed = predict_latency(LinearStepTime(), assumed, ENGINE, policy, 8)
-    assert with_measured.ttft_mean_ms == pytest.approx(alone.ttft_mean_ms, rel=1e-6)
+    balanced, random_spread = PlannerPolicy(), PlannerPolicy(balanced_routing=False)
+    alone = predict_latency(LinearStepTime(), assumed, ENGINE, random_spread, 1)
+    # Spread at random, a measured 1.0 is Poisson's queue whatever the count ...
+    measured_random = predict_latency(LinearStepTime(), measured, ENGINE, random_spread, 8)
+    assert measured_random.ttft_mean_ms == pytest.approx(alone.ttft_mean_ms, rel=1e-6)
+    # ... and behind the balancing router it replaces the even split's regularity.
+    with_measured = predict_latency(LinearStepTime(), measured, ENGINE, balanced, 8)
+    with_assumed = predict_latency(LinearStepTime(), assumed, ENGINE, balanced, 8)
     assert with_assumed.ttft_mean_ms < with_measured.ttft_mean_ms
 
 
@@ -722,20 +728,23 @@ def test_replica_dispersion_moves_with_the_count_as_a_thinned_count_does() -> No
     assert replica_dispersion_at(0.7, 0.0, 4, 8) == 0.7
 
 
-def test_all_replicas_are_occupied_only_when_the_fleet_holds_enough_requests() -> None:
-    assert all_replicas_occupied(1, 0.01, 1.0) == 1.0  # one replica: every arrival joins it
-    assert all_replicas_occupied(20, 0.1, 1.0) < 1e-6  # 2 requests over 20 replicas
-    assert all_replicas_occupied(20, 3.0, 1.0) > 0.999  # 60 requests over 20
-    assert all_replicas_occupied(20, 0.0, 1.0) == 0.0
-    # The same 10 requests spread over more replicas leave more of them empty ...
-    chances = [all_replicas_occupied(n, 10.0 / n, 1.0) for n in (2, 5, 8, 10, 12, 20, 40)]
-    assert chances == sorted(chances, reverse=True) and chances[0] > 0.99
-    assert chances[-1] < 1e-6
-    # ... and bursty arrivals (dispersion 4) fill them all more often than Poisson ones:
-    # an arrival in a clump finds the rest of its clump too.
-    assert all_replicas_occupied(12, 10.0 / 12, 4.0) > all_replicas_occupied(12, 10.0 / 12, 1.0)
-    assert all_replicas_occupied(12, 0.0, 4.0) == 0.0  # nothing held: an empty replica waits
-    assert all_replicas_occupied(6, 4.0 / 6, 8.0) > 0.5  # 4 held + a clump of ~7 others
+def test_a_least_loaded_router_avoids_a_prefilling_replica_unless_batches_hide_it() -> None:
+    assert least_loaded_prefilling(1, 0.5, 0.3) == 0.3  # one replica: picked whatever it does
+    assert least_loaded_prefilling(8, 5.0, 0.0) == 0.0
+    # No decodes, rare prefills over 20 replicas: an idle one is almost always there.
+    assert least_loaded_prefilling(20, 0.0, 0.1) < 1e-12
+    # Large decode batches: one more request is lost in their spread, nearly a random
+    # spread's chance (the trace on 8 replicas, batches of 40-100).
+    assert 0.85 * 0.5 < least_loaded_prefilling(8, 60.0, 0.5) < 0.5
+    # Small batches: the prefilling replica is seldom the least loaded.
+    assert least_loaded_prefilling(8, 2.0, 0.2) < 0.5 * 0.2
+    # More replicas, more choice; bigger batches, less to see.
+    by_count = [least_loaded_prefilling(n, 2.0, 0.2) for n in (2, 4, 8, 16)]
+    assert by_count == sorted(by_count, reverse=True)
+    by_batch = [least_loaded_prefilling(8, b, 0.2) for b in (0.5, 2.0, 10.0, 60.0)]
+    assert by_batch == sorted(by_batch)
+    # The batches' Poisson weights stay finite far past exp(-700).
+    assert 0.0 < least_loaded_prefilling(8, 1000.0, 0.4) <= 0.4
 
 
 def test_a_balancing_router_sends_long_prompts_to_empty_replicas() -> None:
