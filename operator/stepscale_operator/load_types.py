@@ -28,15 +28,17 @@ LoadValue = float | int | bool | list[str] | list[float] | None
 
 # Prompt-length histogram bins (tokens): bin ``i`` holds prompts in
 # ``[PROMPT_BIN_EDGES[i], PROMPT_BIN_EDGES[i + 1])``, the last one everything above.
-# Powers of two from 16 to 512k: the tail of long-context traffic keeps its shape.
-PROMPT_BIN_EDGES: tuple[float, ...] = tuple(float(2**k) for k in range(4, 20))
+# Half powers of two from 16 to 512k: the tail of long-context traffic keeps its
+# shape, and the latency model spreads each bin's prompts between its edges.
+PROMPT_BIN_RATIO = 2.0**0.5  # upper over lower edge of a bin
+PROMPT_BIN_EDGES: tuple[float, ...] = tuple(float(round(2 ** (k / 2))) for k in range(8, 40))
 
 
 def prompt_bin_centers() -> tuple[float, ...]:
     """A representative prompt length of each histogram bin (geometric centre)."""
     edges = PROMPT_BIN_EDGES
     return tuple(
-        (edges[i] * edges[i + 1]) ** 0.5 if i + 1 < len(edges) else edges[i] * 2**0.5
+        (edges[i] * edges[i + 1]) ** 0.5 if i + 1 < len(edges) else edges[i] * PROMPT_BIN_RATIO**0.5
         for i in range(len(edges))
     )
 
