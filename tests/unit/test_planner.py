@@ -1193,3 +1193,20 @@ def test_a_scale_down_never_goes_below_what_scale_up_would_restore() -> None:
                 assert again.action != "scale_up", (rate, queued, total, d.reason, again.reason)
     # The grid does exercise scale-down, and holds that say the queue is why.
     assert downs > 20 and held > 0, (downs, held)
+
+
+def test_the_ttft_quantile_sees_a_tail_prompt_near_its_own_length() -> None:
+    # 2% of prompts are 14,000 tokens (a context cap), the rest spread from 256 to
+    # 2,048, on an idle fleet: the p99 TTFT is those prompts' own prefill. Their
+    # histogram class must not sit far below them: an octave-wide bin's centre was
+    # 11,585 tokens, and its prefill 17% short.
+    short = [256.0 * 2 ** (3 * k / 97) for k in range(98)]
+    load = _with_prompts(load_of(0.5), short + [14_000.0] * 2)
+    per = PerReplicaLoad.from_estimate(load, 1)
+    pred = predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), 1)
+    alone = replace(load_of(1e-6, prompt=14_000.0), prompt_histogram=())
+    own = predict_latency(
+        LinearStepTime(), PerReplicaLoad.from_estimate(alone, 1), ENGINE, PlannerPolicy(), 1
+    )
+    assert pred.feasible and own.feasible
+    assert 0.92 * own.ttft_mean_ms < pred.ttft_ms < 1.25 * own.ttft_mean_ms
