@@ -12,12 +12,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DIR = REPO_ROOT.parent / "shared"
 
 
-def _ephemeral_port_range() -> tuple[int, int]:
+def _ephemeral_ports_start() -> int:
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_tcp_port(count: int = 1) -> int:
@@ -29,7 +28,7 @@ def free_tcp_port(count: int = 1) -> int:
     and connect to itself, which takes the port from the publisher (a CI run
     lost a data-parallel rank's stream this way).
     """
-    low, _ = _ephemeral_port_range()
+    low = _ephemeral_ports_start()
     rng = random.Random()
     for _ in range(1000):
         base = rng.randrange(10000, low - count)
