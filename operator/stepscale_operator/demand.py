@@ -111,7 +111,8 @@ class DemandStage:
         # (time, prefill tokens per request), for the mix memory
         self._mix: list[tuple[float, float]] = []
         # (time, prompt-length histogram), for the usual shape
-        self._shapes: list[tuple[float, tuple[float, ...], float]] = []
+        # (time, prompt histogram, prompt tokens per bin, mean prompt) per decision.
+        self._shapes: list[tuple[float, tuple[float, ...], tuple[float, ...], float]] = []
 
     def demand(self, inputs: PlannerInputs, now: float) -> Demand:
         """The served load corrected by the queue's growth, and the load one horizon ahead."""
@@ -222,20 +223,28 @@ class DemandStage:
         window = self.policy.mix_memory_s
         if window <= 0.0 or not load.prompt_histogram or load.mean_prompt_tokens <= 0.0:
             return load
-        self._shapes.append((now, load.prompt_histogram, load.mean_prompt_tokens))
+        tokens = load.prompt_bin_tokens
+        if len(tokens) != len(load.prompt_histogram):
+            # Unmeasured: each bin's centre, so that pooled bins stay consistent.
+            tokens = tuple(
+                c * h for c, h in zip(prompt_bin_centers(), load.prompt_histogram, strict=False)
+            )
+        self._shapes.append((now, load.prompt_histogram, tokens, load.mean_prompt_tokens))
         self._shapes = [h for h in self._shapes if h[0] >= now - window]
-        pooled = tuple(sum(column) for column in zip(*(h for _, h, _ in self._shapes), strict=True))
+        pooled = tuple(sum(c) for c in zip(*(h for _, h, _, _ in self._shapes), strict=True))
+        pooled_tokens = tuple(sum(c) for c in zip(*(t for _, _, t, _ in self._shapes), strict=True))
         # The shape, and the window's mean prompt only as far as it differs from the
         # usual one by more than its own sampling noise (pooling the mean outright
         # cost the shared trace 1.5 points of attainment: the usual mean lags the
         # window's mix). The request rate stays the window's.
-        usual = sum(m for _, _, m in self._shapes) / len(self._shapes)
+        usual = sum(m for _, _, _, m in self._shapes) / len(self._shapes)
         prompts = load.prefill_requests_per_s * load.window_s
         mean = settled_mean(load.mean_prompt_tokens, usual, pooled, prompts)
         ratio = mean / load.mean_prompt_tokens
         return replace(
             load,
             prompt_histogram=pooled,
+            prompt_bin_tokens=pooled_tokens,
             prefill_tokens_per_s=load.prefill_tokens_per_s * ratio,
             prefill_cached_tokens_per_s=load.prefill_cached_tokens_per_s * ratio,
             mean_prompt_tokens=mean,

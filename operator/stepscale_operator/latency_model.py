@@ -145,7 +145,9 @@ class PerReplicaLoad:
             mean_prompt_tokens=mean_prompt,
             mean_cached_tokens=cached,
             mean_decode_context_tokens=max(load.mean_decode_context_tokens, 0.0),
-            prompt_lengths=prompt_distribution(load.prompt_histogram, mean_prompt),
+            prompt_lengths=prompt_distribution(
+                load.prompt_histogram, mean_prompt, load.prompt_bin_tokens
+            ),
             arrival_dispersion=max(load.arrival_dispersion, 0.0),
             replica_arrival_dispersion=replica_dispersion_at(
                 load.replica_arrival_dispersion,
@@ -197,16 +199,26 @@ def prefill_exposure(deficit: float, batch: float) -> float:
 
 
 def prompt_distribution(
-    histogram: tuple[float, ...], mean_prompt: float
+    histogram: tuple[float, ...], mean_prompt: float, bin_tokens: tuple[float, ...] = ()
 ) -> tuple[tuple[float, float], ...]:
-    """(prompt length, probability) per non-empty histogram bin, the lengths scaled so
-    their mean is the measured mean prompt (the bins are a factor of two wide; the
-    mean is measured exactly); empty when there is no histogram."""
+    """(prompt length, probability) per non-empty histogram bin; empty when there is
+    no histogram.
+
+    Each bin's length is its measured mean (``bin_tokens`` over its count) where
+    known, else its geometric centre; the lengths are then scaled so that their mean
+    is the measured mean prompt (measured exactly; the bins' means are only near
+    where a pass held several prompts, each placed one standard deviation off).
+    """
     total = sum(histogram)
     if total <= 0.0 or mean_prompt <= 0.0:
         return ()
     centers = prompt_bin_centers()
-    points = [(centers[i], h / total) for i, h in enumerate(histogram) if h > 0.0]
+    tokens = bin_tokens if len(bin_tokens) == len(histogram) else (0.0,) * len(histogram)
+    points = [
+        (t / h if t > 0.0 else centers[i], h / total)
+        for i, (h, t) in enumerate(zip(histogram, tokens, strict=True))
+        if h > 0.0
+    ]
     binned_mean = sum(length * p for length, p in points)
     scale = mean_prompt / binned_mean if binned_mean > 0.0 else 1.0
     return tuple((length * scale, p) for length, p in points)

@@ -116,7 +116,9 @@ _Q_COLS = [QUEUED_PREFILL_REQS, QUEUED_PREFILL_TOKENS, QUEUED_DECODE_REQS]
     _QUEUE_SEEN,  # 1 when the bucket has a message (not a sum)
 ) = range(20)
 _HIST = 20  # first of the prompt-length histogram columns (PROMPT_BIN_EDGES)
-_N_COLS = _HIST + len(PROMPT_BIN_EDGES)
+# First of the columns of prompt tokens per histogram bin: each bin's mean length.
+_BIN_TOKENS = _HIST + len(PROMPT_BIN_EDGES)
+_N_COLS = _BIN_TOKENS + len(PROMPT_BIN_EDGES)
 _QS_COLS = [_QS_PREFILL_REQS, _QS_PREFILL_TOKENS, _QS_DECODE_REQS]
 # Columns whose trend is reported, in LoadEstimate order.
 _TREND_COLS = [_PREFILL_TOKENS, _DECODE_TOKENS, _QS_PREFILL_TOKENS, _QS_DECODE_REQS]
@@ -140,6 +142,7 @@ _NEEDS_FRESH = frozenset(
         "queued_decode_requests_mean",
         "busy_fraction",
         "prompt_histogram",
+        "prompt_bin_tokens",
         "arrival_dispersion",
         "replica_arrival_dispersion",
         "prefill_pass_decode_deficit",
@@ -491,12 +494,13 @@ class LoadEstimator:
         trends, prefill_queue_change, recent_demand = found
         shapes = self._shapes(ids, in_window, sums, bucket)
         if shapes is None:
-            unavailable |= {"prompt_histogram", "arrival_dispersion", "replica_arrival_dispersion"}
+            unavailable |= {"prompt_histogram", "prompt_bin_tokens"}
+            unavailable |= {"arrival_dispersion", "replica_arrival_dispersion"}
             unavailable |= {n for n in _REALIZED_FIELDS}
-            shapes = _Shapes((), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+            shapes = _Shapes((), (), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         else:
             if not shapes.prompt_histogram:
-                unavailable.add("prompt_histogram")
+                unavailable |= {"prompt_histogram", "prompt_bin_tokens"}
             if shapes.arrival_dispersion <= 0.0:
                 unavailable.add("arrival_dispersion")
             if shapes.replica_arrival_dispersion <= 0.0:
@@ -529,6 +533,7 @@ class LoadEstimator:
             prefill_demand_tokens_per_s_recent=recent_demand,
             queued_decode_requests_trend=float(trends[3]),
             prompt_histogram=shapes.prompt_histogram,
+            prompt_bin_tokens=shapes.prompt_bin_tokens,
             arrival_dispersion=shapes.arrival_dispersion,
             replica_arrival_dispersion=shapes.replica_arrival_dispersion,
             prefill_pass_decode_deficit=deficit or 0.0,
@@ -548,29 +553,32 @@ class LoadEstimator:
         sums: FloatArray,
         bucket: int,
     ) -> _Shapes | None:
-        """Prompt-length histogram, dispersion of arrivals per second, and the realized
-        latency of the window's (stream, second) cells; None with no fresh stream."""
+        """Prompt-length histogram and tokens per bin, dispersion of arrivals per
+        second, and the realized latency of the window's (stream, second) cells; None
+        with no fresh stream."""
         if ids.size == 0:
             return None
         totals = sums.sum(axis=(0, 1))
-        hist = totals[_HIST:]
-        histogram = tuple(float(h) for h in hist) if hist.sum() > 0.0 else ()
-        # Dense (stream, age) grid, newest bucket first; ring entries outside the
-        # window are zero.
+        hist = totals[_HIST:_BIN_TOKENS]
+        measured = hist.sum() > 0.0
+        histogram = tuple(float(h) for h in hist) if measured else ()
+        bin_tokens = tuple(float(t) for t in totals[_BIN_TOKENS:]) if measured else ()
+        # Dense (stream, age) grid of the per-pass columns (not the histogram),
+        # newest bucket first; ring entries outside the window are zero.
         n = self._n_window
         age = np.where(in_window, bucket - ids, n)
-        grid = np.zeros((ids.shape[0], n + 1, _N_COLS))
+        grid = np.zeros((ids.shape[0], n + 1, _HIST))
         rows = np.repeat(np.arange(ids.shape[0]), ids.shape[1])
-        grid[rows, age.ravel()] = sums.reshape(-1, _N_COLS)
+        grid[rows, age.ravel()] = sums[:, :, :_HIST].reshape(-1, _HIST)
         grid = grid[:, :n][:, ::-1]  # oldest first
         dispersion, replica_dispersion = _dispersions(grid)
-        cells = grid.reshape(-1, _N_COLS)
+        cells = grid.reshape(-1, _HIST)
         q = self.tail_quantile
         itl = _cell_latency(cells[:, _DECODE_WALL_S], cells[:, _DECODE_TOKENS], q)
         ttft = _cell_latency(
             cells[:, _QS_PREFILL_REQS] + cells[:, _PREFILL_WALL_S], cells[:, _PREFILL_FINISHED], q
         )
-        return _Shapes(histogram, dispersion, replica_dispersion, *itl, *ttft)
+        return _Shapes(histogram, bin_tokens, dispersion, replica_dispersion, *itl, *ttft)
 
     def _trends(
         self,
@@ -648,6 +656,7 @@ _REALIZED_FIELDS = (
 @dataclass(frozen=True)
 class _Shapes:
     prompt_histogram: tuple[float, ...]
+    prompt_bin_tokens: tuple[float, ...]
     arrival_dispersion: float
     replica_arrival_dispersion: float
     realized_itl_mean_ms: float
@@ -663,7 +672,8 @@ def _add_prompt_lengths(
     requests: FloatArray,
     variance: FloatArray,
 ) -> None:
-    """Histogram the full prompt lengths of the prompts each final pass finishes.
+    """Histogram the full prompt lengths of the prompts each final pass finishes,
+    and sum their tokens per bin (the bin's mean length).
 
     A pass reports the mean and variance of its requests' lengths, not each one:
     with several, half go one standard deviation either side of the mean (the
@@ -680,6 +690,7 @@ def _add_prompt_lengths(
         length = np.maximum(mean + sign * spread, 1.0)
         idx = np.clip(np.searchsorted(edges, length, side="right") - 1, 0, len(edges) - 1)
         np.add.at(cols, (rows, _HIST + idx), n / 2.0)
+        np.add.at(cols, (rows, _BIN_TOKENS + idx), length * n / 2.0)
 
 
 def _dispersions(grid: FloatArray) -> tuple[float, float]:

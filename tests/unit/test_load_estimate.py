@@ -400,6 +400,28 @@ def test_prompt_histogram_keeps_the_tail_of_the_lengths() -> None:
     assert hist[long_bin] == pytest.approx(10.0) and hist[short_bin] == pytest.approx(90.0)
 
 
+def test_each_prompt_bin_carries_the_mean_length_of_its_prompts() -> None:
+    from stepscale_operator.latency_model import prompt_distribution
+
+    est = _with_budget(LoadEstimator(window_s=30.0))
+    # Prompts piled at a context cap of 4,100 tokens (the bottom of the 4,096-5,793
+    # bin) and 600-token ones: each bin's length is its prompts', not its centre.
+    for k in range(40):
+        est.observe(_one_prompt_pass(k + 1, 4_100 if k % 4 == 0 else 600), k * 0.5)
+    load = est.estimate(20.0)
+    lengths = [
+        length
+        for length, _ in prompt_distribution(
+            load.prompt_histogram, load.mean_prompt_tokens, load.prompt_bin_tokens
+        )
+    ]
+    assert lengths == pytest.approx([600.0, 4_100.0])
+    centred = [
+        length for length, _ in prompt_distribution(load.prompt_histogram, load.mean_prompt_tokens)
+    ]
+    assert centred[1] > 1.04 * 4_100.0  # the geometric centres, scaled to the mean
+
+
 def test_two_prompts_in_one_pass_spread_by_their_variance() -> None:
     est = _with_budget(LoadEstimator(window_s=30.0))
     sched = ScheduledRequestMetrics(

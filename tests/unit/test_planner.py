@@ -1031,13 +1031,15 @@ def _with_prompts(load: LoadEstimate, lengths: list[float]) -> LoadEstimate:
     """``load`` with its measured prompt-length distribution (and matching mean)."""
     import numpy as np
 
-    from stepscale_operator.load_types import prompt_histogram_of
+    from stepscale_operator.load_types import prompt_bin_tokens_of, prompt_histogram_of
 
     mean = sum(lengths) / len(lengths)
     rate = load.prefill_requests_per_s
+    measured = np.asarray(lengths, dtype=np.float64)
     return replace(
         load,
-        prompt_histogram=prompt_histogram_of(np.asarray(lengths, dtype=np.float64)),
+        prompt_histogram=prompt_histogram_of(measured),
+        prompt_bin_tokens=prompt_bin_tokens_of(measured),
         mean_prompt_tokens=mean,
         prefill_tokens_per_s=rate * mean,
     )
@@ -1210,3 +1212,25 @@ def test_the_ttft_quantile_sees_a_tail_prompt_near_its_own_length() -> None:
     )
     assert pred.feasible and own.feasible
     assert 0.92 * own.ttft_mean_ms < pred.ttft_ms < 1.25 * own.ttft_mean_ms
+
+
+def test_prompts_piled_at_a_cap_set_the_ttft_quantile_at_their_own_length() -> None:
+    # 3% of prompts are cut at 4,100 tokens (a client's context cap: the shared trace
+    # piles its longest prompts at 4,096-4,150), the bottom of the 4,096-5,793 bin;
+    # the rest spread from 256 to 2,048, on an idle fleet. The p99 TTFT is those
+    # prompts' own prefill: the bin's geometric centre (4,871) put it 19% high.
+    short = [256.0 * 2 ** (3 * k / 96) for k in range(97)]
+    load = _with_prompts(load_of(0.5), short + [4_100.0] * 3)
+    per = PerReplicaLoad.from_estimate(load, 1)
+    pred = predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), 1)
+    alone = replace(load_of(1e-6, prompt=4_100.0), prompt_histogram=())
+    own = predict_latency(
+        LinearStepTime(), PerReplicaLoad.from_estimate(alone, 1), ENGINE, PlannerPolicy(), 1
+    )
+    centres = replace(load, prompt_bin_tokens=())
+    by_centre = predict_latency(
+        LinearStepTime(), PerReplicaLoad.from_estimate(centres, 1), ENGINE, PlannerPolicy(), 1
+    )
+    assert pred.feasible and own.feasible and by_centre.feasible
+    assert 0.95 * own.ttft_mean_ms < pred.ttft_ms < 1.06 * own.ttft_mean_ms
+    assert by_centre.ttft_ms > 1.1 * own.ttft_mean_ms  # what the measured means mend

@@ -26,7 +26,11 @@ import numpy.typing as npt
 
 from stepscale_engine.wire import ForwardPassMetrics
 from stepscale_operator.latency_model import EngineLimits
-from stepscale_operator.load_types import LoadEstimate, prompt_histogram_of
+from stepscale_operator.load_types import (
+    LoadEstimate,
+    prompt_bin_tokens_of,
+    prompt_histogram_of,
+)
 from stepscale_operator.simulator.engine import RequestTable, SimEngine
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B, StepTimeProfile
 from stepscale_operator.simulator.traffic import Traffic
@@ -430,6 +434,7 @@ def frontend_estimate(
         queued_prefill_tokens=0.0,
         queued_decode_requests=0.0,
         prompt_histogram=prompt_histogram_of(prompt) if n else (),
+        prompt_bin_tokens=prompt_bin_tokens_of(prompt) if n else (),
         arrival_dispersion=_dispersion_per_second(traffic.arrival_s[lo:hi]),
     )
 
