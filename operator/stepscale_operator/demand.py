@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from stepscale_operator.latency_model import prefill_tokens_per_s
-from stepscale_operator.load_types import LoadEstimate, prompt_bin_centers
+from stepscale_operator.load_types import LoadEstimate, bin_tokens_or_centres, prompt_bin_centers
 from stepscale_operator.planner_policy import PlannerPolicy
 from stepscale_operator.planner_stages import Demand, PlannerInputs
 
@@ -110,8 +110,7 @@ class DemandStage:
         self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
         # (time, prefill tokens per request), for the mix memory
         self._mix: list[tuple[float, float]] = []
-        # (time, prompt-length histogram), for the usual shape
-        # (time, prompt histogram, prompt tokens per bin, mean prompt) per decision.
+        # (time, prompt histogram, prompt tokens per bin, mean prompt), for the usual shape
         self._shapes: list[tuple[float, tuple[float, ...], tuple[float, ...], float]] = []
 
     def demand(self, inputs: PlannerInputs, now: float) -> Demand:
@@ -223,12 +222,7 @@ class DemandStage:
         window = self.policy.mix_memory_s
         if window <= 0.0 or not load.prompt_histogram or load.mean_prompt_tokens <= 0.0:
             return load
-        tokens = load.prompt_bin_tokens
-        if len(tokens) != len(load.prompt_histogram):
-            # Unmeasured: each bin's centre, so that pooled bins stay consistent.
-            tokens = tuple(
-                c * h for c, h in zip(prompt_bin_centers(), load.prompt_histogram, strict=False)
-            )
+        tokens = bin_tokens_or_centres(load.prompt_histogram, load.prompt_bin_tokens)
         self._shapes.append((now, load.prompt_histogram, tokens, load.mean_prompt_tokens))
         self._shapes = [h for h in self._shapes if h[0] >= now - window]
         pooled = tuple(sum(c) for c in zip(*(h for _, h, _, _ in self._shapes), strict=True))

@@ -41,7 +41,7 @@ from typing import Protocol
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, PromptMix, itl_quantile
-from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, LoadEstimate, prompt_bin_centers
+from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, LoadEstimate, bin_tokens_or_centres
 from stepscale_operator.quantile_search import exceedance_quantile
 
 
@@ -204,21 +204,17 @@ def prompt_distribution(
     """(prompt length, probability) per non-empty histogram bin; empty when there is
     no histogram.
 
-    Each bin's length is its measured mean (``bin_tokens`` over its count) where
-    known, else its geometric centre; the lengths are then scaled so that their mean
-    is the measured mean prompt (measured exactly; the bins' means are only near
-    where a pass held several prompts, each placed one standard deviation off).
+    Each bin's length is its measured mean (``bin_tokens`` over its count; the
+    geometric centre where unmeasured, :func:`bin_tokens_or_centres`); the lengths
+    are then scaled so that their mean is the measured mean prompt (measured
+    exactly; the bins' means are only near where a pass held several prompts, each
+    placed one standard deviation off).
     """
     total = sum(histogram)
     if total <= 0.0 or mean_prompt <= 0.0:
         return ()
-    centers = prompt_bin_centers()
-    tokens = bin_tokens if len(bin_tokens) == len(histogram) else (0.0,) * len(histogram)
-    points = [
-        (t / h if t > 0.0 else centers[i], h / total)
-        for i, (h, t) in enumerate(zip(histogram, tokens, strict=True))
-        if h > 0.0
-    ]
+    tokens = bin_tokens_or_centres(histogram, bin_tokens)
+    points = [(t / h, h / total) for h, t in zip(histogram, tokens, strict=True) if h > 0.0]
     binned_mean = sum(length * p for length, p in points)
     scale = mean_prompt / binned_mean if binned_mean > 0.0 else 1.0
     return tuple((length * scale, p) for length, p in points)
@@ -512,7 +508,7 @@ def predict_latency(
     # arrivals evenly (the fleet's dispersion over ``replicas``), a random one to
     # keep it. Measured, both guesses were wrong where it mattered: a balancing
     # router over large decode batches routes by decode departures, nearly at
-    # random (the trace on 8 replicas: 0.69 per replica, the guess 0.1-0.25).
+    # random (the trace on 8 replicas: 0.6 per replica, the guess 0.1-0.25).
     if load.replica_arrival_dispersion > 0.0:
         arrival_cv2 = load.replica_arrival_dispersion
     elif policy.balanced_routing:

@@ -76,6 +76,17 @@ def prompt_bin_tokens_of(lengths: npt.NDArray[np.float64]) -> tuple[float, ...]:
     return tuple(float(t) for t in tokens[: len(PROMPT_BIN_EDGES)])
 
 
+def bin_tokens_or_centres(
+    histogram: tuple[float, ...], bin_tokens: tuple[float, ...]
+) -> tuple[float, ...]:
+    """Prompt tokens per bin: ``bin_tokens`` where measured (one per bin), else each
+    bin's count at its geometric centre (an estimate from before they were measured,
+    or a source that gives counts only)."""
+    if len(bin_tokens) == len(histogram):
+        return bin_tokens
+    return tuple(c * h for c, h in zip(prompt_bin_centers(), histogram, strict=False))
+
+
 def _prompt_bins(lengths: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
     return np.clip(np.searchsorted(PROMPT_BIN_EDGES, lengths, side="right") - 1, 0, None)
 
