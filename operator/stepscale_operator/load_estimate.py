@@ -394,7 +394,7 @@ class LoadEstimator:
 
         has_prefill = c > 0
         final = has_prefill & ~full
-        cols = np.zeros((sl.shape[0], _N_COLS))
+        cols = np.zeros((sl.shape[0], _HIST))  # the per-pass columns; prompt lengths below
         cols[:, _PASSES] = is_pass
         cols[:, _BUSY_S] = np.where(is_pass, w, 0.0)
         cols[:, _PREFILL_TOKENS] = c
@@ -410,7 +410,6 @@ class LoadEstimator:
         cols[:, _PREFILL_WALL_S] = n_pre * cols[:, _BUSY_S]
         cols[:, _PREFILL_PASSES] = has_prefill
         cols[:, _DECODE_AT_PREFILL] = np.where(has_prefill, n_dec, 0.0)
-        _add_prompt_lengths(cols, final, c + k, n_pre, s[:, SCHED_PREFILL_VAR])
         for stream, lo, hi in zip(streams, starts, ends, strict=True):
             passes = is_pass[lo:hi]
             self._outputs.observe(
@@ -419,8 +418,12 @@ class LoadEstimator:
                 n_dec[lo:hi][passes],
                 now,
             )
-        per_stream = np.add.reduceat(cols, starts, axis=0)
+        per_stream = np.zeros((streams.shape[0], _N_COLS))
+        per_stream[:, :_HIST] = np.add.reduceat(cols, starts, axis=0)
         per_stream[:, _QS_COLS] = queue_seconds
+        # Few passes finish a prompt: their lengths go straight to their stream's row.
+        stream_of_row = np.repeat(np.arange(streams.shape[0]), ends - starts)
+        _add_prompt_lengths(per_stream, stream_of_row, final, c + k, n_pre, s[:, SCHED_PREFILL_VAR])
 
         bucket = int(math.floor(now / self.bucket_s))
         pos = bucket % self._ring_len
@@ -666,14 +669,16 @@ class _Shapes:
 
 
 def _add_prompt_lengths(
-    cols: FloatArray,
+    per_stream: FloatArray,
+    stream_of_row: npt.NDArray[np.int64],
     final: npt.NDArray[np.bool_],
     prompt_tokens: FloatArray,
     requests: FloatArray,
     variance: FloatArray,
 ) -> None:
     """Histogram the full prompt lengths of the prompts each final pass finishes,
-    and sum their tokens per bin (the bin's mean length).
+    and sum their tokens per bin (the bin's mean length), into the row of
+    ``per_stream`` of each pass's stream.
 
     A pass reports the mean and variance of its requests' lengths, not each one:
     with several, half go one standard deviation either side of the mean (the
@@ -689,8 +694,8 @@ def _add_prompt_lengths(
     for sign in (-1.0, 1.0):
         length = np.maximum(mean + sign * spread, 1.0)
         idx = np.clip(np.searchsorted(edges, length, side="right") - 1, 0, len(edges) - 1)
-        np.add.at(cols, (rows, _HIST + idx), n / 2.0)
-        np.add.at(cols, (rows, _BIN_TOKENS + idx), length * n / 2.0)
+        np.add.at(per_stream, (stream_of_row[rows], _HIST + idx), n / 2.0)
+        np.add.at(per_stream, (stream_of_row[rows], _BIN_TOKENS + idx), length * n / 2.0)
 
 
 def _dispersions(grid: FloatArray) -> tuple[float, float]:
