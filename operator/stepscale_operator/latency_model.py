@@ -16,16 +16,20 @@ Per replica, with the load spread evenly by the router:
   ``r * n_c * (f_p - f_d)`` and ``s = f_d / (1 - that share)``.
 * ITL is the mean step time, with a tail for short requests that happen to share
   many steps with prefills (binomial count of prefill steps over ``k`` tokens).
-* TTFT is the prefill service time plus queueing for the prefill "server" plus
-  the residual of the step in progress. The queue is G/G/1 per replica
-  (Kingman's mean wait, exponential tail for the quantile), its arrival CV^2 one
-  replica's arrival dispersion as the load estimate measures it
-  (``replica_arrival_dispersion``; assumed only while unmeasured). Behind a
-  balancing router (``balanced_routing``: least outstanding requests, round
-  robin) it is far from the even split once assumed: 0.6, not 0.1-0.25, on the
-  trace at 8 replicas. Such a router also sends a prompt away from
-  a replica that is prefilling whenever that one holds more requests than
-  another (:func:`least_loaded_prefilling`): over large decode batches that
+* TTFT is the prefill service time plus the wait behind other prompts plus the
+  residual of the step in progress. A prompt that lands on a replica prefilling
+  waits out the prefill in progress and the prompts queued there ahead of it;
+  the queue is G/G/1's per replica (Kingman's mean length, geometric; exponential
+  tail for the quantile), its arrival CV^2 one replica's arrival dispersion as
+  the load estimate measures it (``replica_arrival_dispersion``; assumed only
+  while unmeasured). A queued prompt costs those behind it its tokens, not a
+  pass of its own: the engine admits queued prompts into the next pass as far
+  as its token budget goes. Behind a balancing router (``balanced_routing``:
+  least outstanding requests, round robin) one replica's dispersion is far from
+  the even split once assumed: 0.6, not 0.1-0.25, on the trace at 8 replicas.
+  Such a router also sends a prompt away from a replica that is prefilling
+  whenever that one holds more requests than another, and more so when prompts
+  queue there (:func:`least_loaded_queue`): over large decode batches that
   changes little, but rare long prompts over many replicas almost never wait.
   Without it, the long-context scenario's TTFT quantile asked for up to 52
   replicas where a static 18 served every prompt that could be served in time.
@@ -38,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Protocol
+
+import numpy as np
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, PromptMix, itl_quantile
@@ -81,6 +87,8 @@ class LatencySettings(Protocol):
 
 # Step times beyond this are "the engine cannot keep up", not a latency.
 _DIVERGED_STEP_S = 30.0
+# Deepest prompt queue counted behind one replica's prefill (the tail is geometric).
+_MAX_QUEUE_DEPTH = 64
 _FIXED_POINT_ITERATIONS = 60
 _FIXED_POINT_TOLERANCE = 1e-4
 
@@ -231,7 +239,7 @@ class LatencyPrediction:
     itl_mean_ms: float
     step_time_ms: float
     decode_batch: float
-    prefill_utilisation: float  # share of time the prefill "server" is busy
+    prefill_utilisation: float  # share of the prompt-token capacity in use
     bottleneck: str  # "" when feasible, else what saturates
     # Share of requests whose prefill alone, on an idle replica, exceeds the TTFT
     # limit the prediction was asked about: no replica count serves them in time,
@@ -239,6 +247,8 @@ class LatencyPrediction:
     unreachable_share: float = 0.0
     # Of the other requests, the share predicted to exceed that limit (0: not asked).
     ttft_miss_share: float = 0.0
+    # Mean prefill service time of a prompt that does not wait (its passes).
+    prefill_service_ms: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -294,49 +304,85 @@ def _ttft_exceedance(
     return exceed
 
 
-def least_loaded_prefilling(replicas: int, batch: float, busy: float) -> float:
-    """Chance that the replica a least-outstanding router picks is prefilling.
+def _queued_prompt_cost(
+    length: float, chunks: float, chunk_pass_s: float, room: float, full_pass_s: float
+) -> float:
+    """Seconds a queued prompt of ``length`` computed tokens adds to the wait of
+    those queued behind it.
+
+    The engine admits queued prompts into the next pass while its token budget
+    (``room`` beside the decodes) lasts, so a short prompt takes only its share of
+    a pass that fills the budget (``full_pass_s``); one of a budget or more takes
+    its own passes, ``chunks`` of ``chunk_pass_s``.
+    """
+    if length >= room:
+        return chunks * chunk_pass_s
+    return min(length / room * full_pass_s, chunks * chunk_pass_s)
+
+
+@dataclass(frozen=True)
+class RouterPick:
+    """What a new prompt finds on the replica the router sends it to."""
+
+    prefilling: float  # chance a prompt is prefilling there
+    queued: float  # mean prompts queued there beyond the one in progress
+
+
+def least_loaded_queue(
+    replicas: int, batch: float, busy: float, queued_per_busy: float
+) -> RouterPick:
+    """What a least-outstanding router's pick holds of prompts.
 
     A replica holds its decode requests, Poisson with mean ``batch`` (the count of
-    an infinite-server queue), plus one more while it prefills, with chance
-    ``busy``. A real balancing router keeps the totals far tighter (variance
-    0.3-0.5 in the simulator) and a replica starts prefilling just when an
-    arrival raises its total; counted there, this is 12-25% high over large
-    batches and 1.5-14x low over batches of about one (see the README). The router
-    picks the replica holding the fewest (ties at random); among those holding
-    ``k``, the share prefilling is busy * P(k - 1) / (busy * P(k - 1) +
-    (1 - busy) * P(k)). Over large decode batches a prefill is lost in the
-    batches' spread and the chance is ``busy`` (a random spread's); over small
-    ones, or with empty replicas, a prefilling replica is rarely the least loaded.
-    One replica: it is picked, prefilling or not.
+    an infinite-server queue), plus its prompts: none with chance ``1 - busy``,
+    else one in progress and a geometric number queued behind it, of mean
+    ``queued_per_busy``. A real balancing router keeps the totals far tighter
+    (variance 0.3-0.5 in the simulator) and a replica starts prefilling just when
+    an arrival raises its total; counted there, the chance of a prefill is 12-25%
+    high over large batches and 1.5-14x low over batches of about one (see the
+    README). The router picks the replica holding the fewest (ties at random), so
+    over large decode batches a prefill is lost in the batches' spread and the pick
+    is a random replica's; over small ones, or with empty replicas, a replica with
+    prompts, and more so one with a queue, is rarely the least loaded. One
+    replica: it is picked whatever it holds.
     """
     busy = min(max(busy, 0.0), 1.0)
+    queued_per_busy = max(queued_per_busy, 0.0)
     if replicas <= 1 or busy in (0.0, 1.0):
-        return busy
+        return RouterPick(busy, busy * queued_per_busy)
     batch = max(batch, 0.0)
+    # Prompts held: 0, then 1, 2, ... with a geometric tail (ratio ``sigma``).
+    sigma = queued_per_busy / (1.0 + queued_per_busy)
+    depth = (
+        1
+        if sigma <= 0.0
+        else max(1, min(_MAX_QUEUE_DEPTH, int(math.log(1e-9) / math.log(sigma)) + 1))
+    )
+    q = np.arange(depth + 1)
+    prompts = np.where(q == 0, 1.0 - busy, busy * (1.0 - sigma) * sigma ** np.maximum(q - 1, 0))
     spread = 12.0 * math.sqrt(batch) + 20.0
     low, high = max(0, int(batch - spread)), int(batch + spread) + 1
-
-    def poisson(k: int) -> float:
-        if k < 0:
-            return 0.0
-        if batch == 0.0:
-            return 1.0 if k == 0 else 0.0
-        return math.exp(k * math.log(batch) - batch - math.lgamma(k + 1))
-
-    # Decodes P(k - 1) for k = low - 1 ... high + 1: index i + 1 holds low + i.
-    decodes = [poisson(k) for k in range(low - 1, high + 2)]
-    prefilling = [busy * decodes[i] for i in range(len(decodes) - 1)]  # holds low + i
-    held = [(1.0 - busy) * decodes[i + 1] + prefilling[i] for i in range(len(prefilling))]
-    beyond = [0.0] * (len(held) + 1)  # P(a replica holds at least low + i)
-    for i in range(len(held) - 1, -1, -1):
-        beyond[i] = beyond[i + 1] + held[i]
-    total = 0.0
-    for i in range(high - low + 1):
-        fewest_here = beyond[i] ** replicas - beyond[i + 1] ** replicas
-        if fewest_here > 0.0 and held[i] > 0.0:
-            total += fewest_here * prefilling[i] / held[i]
-    return min(total, 1.0)
+    k = np.arange(low, high + 1)
+    if batch == 0.0:
+        decodes = (k == 0).astype(float)
+    else:
+        decodes = np.exp(k * math.log(batch) - batch - np.array([math.lgamma(x + 1) for x in k]))
+    # joint[i, j]: decodes low + i and j prompts; the total held is low + i + j.
+    joint = np.outer(decodes, prompts)
+    totals = len(k) + depth
+    held = np.zeros(totals)
+    prefilling = np.zeros(totals)
+    queued = np.zeros(totals)
+    for j in range(depth + 1):
+        held[j : j + len(k)] += joint[:, j]
+        if j >= 1:
+            prefilling[j : j + len(k)] += joint[:, j]
+            queued[j : j + len(k)] += (j - 1) * joint[:, j]
+    beyond = np.concatenate([np.cumsum(held[::-1])[::-1], [0.0]])  # P(holds >= low + i)
+    fewest_here = beyond[:-1] ** replicas - beyond[1:] ** replicas
+    ok = held > 0.0
+    share = np.where(ok, fewest_here / np.where(ok, held, 1.0), 0.0)
+    return RouterPick(min(float((share * prefilling).sum()), 1.0), float((share * queued).sum()))
 
 
 def no_replicas_prediction() -> LatencyPrediction:
@@ -500,8 +546,20 @@ def predict_latency(
         itl_q = step + z * max(f_p - f_d, 0.0) * math.sqrt(variance_per_pass / tail_tokens)
 
     # TTFT: G/G/1 on the prefill server (Kingman), exponential tail for the quantile.
+    # ``rho``: the share of time a replica spends on some prompt's prefill passes.
+    # The engine serves its queue by tokens, not one prompt at a time: prompts that
+    # wait are admitted together into the next pass as far as its budget goes, so
+    # what a queued prompt costs those behind it is its tokens at a full pass's
+    # throughput (``admitted``), not a pass of its own (see _queued_prompt_cost).
     rho = rate * service
-    if rho >= 1.0:
+    full_pass = pass_time(pass_batch, chunk_room, cached)
+    admitted = [
+        (_queued_prompt_cost(length, n, f, chunk_room, full_pass), p)
+        for (length, _), (n, f, p) in zip(classes, prefills, strict=True)
+    ]
+    admitted_mean = sum(t * p for t, p in admitted)
+    rho_tokens = rate * admitted_mean
+    if rho_tokens >= 1.0:
         return _overloaded(replicas, "prefill_queue", step, batch)
     # One replica's arrivals as measured (what the router leaves of the fleet's
     # clumping). Unmeasured: a balancing router taken to split each second's
@@ -515,18 +573,28 @@ def predict_latency(
         arrival_cv2 = dispersion / max(replicas, 1)
     else:
         arrival_cv2 = dispersion
-    wait_mean = rho * service * (arrival_cv2 + service_cv2) / (2.0 * (1.0 - rho))
-    # Kingman's mean is over all prompts, of which a share ``rho`` wait (M/G/1). A
-    # router that balances on outstanding requests sends a prompt elsewhere when
-    # the replica that is prefilling holds more than another: the share that waits
-    # is the chance the least loaded one is prefilling, and how long a wait lasts
-    # is unchanged. A prompt in a clump finds the clump's earlier prompts still
-    # prefilling (``dispersion - 1`` more a second, for one service time each).
-    p_wait = rho
+    # A prompt that lands on a replica prefilling waits out the prefill in progress
+    # (its residual: a length-biased draw of the service, E[S^2] / (2 E[S])) and
+    # the prompts queued there ahead of it, each at its ``admitted`` cost. Prompts
+    # queue behind a prefill as in Kingman's G/G/1 (mean queue rho_q * (ca2 + cs2) /
+    # (2 (1 - rho_q)) per busy replica, geometric), where rho_q counts the tokens'
+    # cost. At random routing this is Kingman's mean (Poisson arrivals, one prompt
+    # a pass); a router that balances on outstanding requests sends a prompt
+    # elsewhere when the replica that is prefilling holds more than another, and
+    # more so when prompts queue there (:func:`least_loaded_queue`; without it the
+    # extra wait behind a prefill came out 1.3-1.8x the simulated on fixed fleets).
+    # A prompt in a clump finds the clump's earlier prompts still prefilling
+    # (``dispersion - 1`` more a second, for one service time each).
+    residual = service * (1.0 + service_cv2) / 2.0
+    queued_per_busy = rho_tokens * (arrival_cv2 + service_cv2) / (2.0 * (1.0 - rho_tokens))
     if policy.balanced_routing:
         clump = max(dispersion - 1.0, 0.0) * min(service, 1.0) / max(replicas, 1)
-        p_wait = least_loaded_prefilling(replicas, batch, min(rho + clump, 1.0))
-    wait_mean *= p_wait / rho if rho > 0.0 else 0.0
+        pick = least_loaded_queue(replicas, batch, min(rho + clump, 1.0), queued_per_busy)
+    else:
+        busy = min(rho, 1.0)
+        pick = RouterPick(busy, busy * queued_per_busy)
+    p_wait = pick.prefilling
+    wait_mean = p_wait * residual + pick.queued * admitted_mean
     ttft_mean = wait_mean + service + f_d / 2.0
     unreachable = 0.0
     reachable = services
@@ -564,10 +632,11 @@ def predict_latency(
         itl_mean_ms=itl_mean * 1e3,
         step_time_ms=step * 1e3,
         decode_batch=batch,
-        prefill_utilisation=rho,
+        prefill_utilisation=rho_tokens,
         bottleneck="",
         unreachable_share=unreachable,
         ttft_miss_share=ttft_miss,
+        prefill_service_ms=service * 1e3,
     )
 
 

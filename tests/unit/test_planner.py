@@ -13,7 +13,7 @@ from stepscale_operator.latency_model import (
     EngineLimits,
     PerReplicaLoad,
     SloTargets,
-    least_loaded_prefilling,
+    least_loaded_queue,
     predict_latency,
     replica_dispersion_at,
     smallest_replicas_within_slo,
@@ -649,7 +649,7 @@ def test_scale_down_paces_a_share_of_the_fleet_per_settling_time() -> None:
 
 
 def test_ttft_rises_steeply_as_prefill_utilisation_nears_one() -> None:
-    per_rate = [2.0, 6.0, 10.0, 14.0, 18.0, 22.0, 25.0, 28.0, 40.0]
+    per_rate = [2.0, 6.0, 10.0, 14.0, 18.0, 22.0, 25.0, 26.0, 26.5, 27.0, 27.5, 28.0, 40.0]
     preds = [
         predict_latency(
             LinearStepTime(),
@@ -664,18 +664,61 @@ def test_ttft_rises_steeply_as_prefill_utilisation_nears_one() -> None:
     rho = [p.prefill_utilisation for p in feasible]
     waits = [p.ttft_mean_ms for p in feasible]
     assert rho == sorted(rho) and rho[-1] > 0.95
-    # Convex: each step of load adds more TTFT than the one before (queueing, 1/(1-rho)).
-    steps = [b - a for a, b in zip(waits, waits[1:], strict=False)]
-    assert all(b > a for a, b in zip(steps, steps[1:], strict=False))
-    assert waits[-1] > 10.0 * waits[-3]  # 0.66 -> 0.97 utilisation: ten times the TTFT
+    # Convex: each request a second adds more TTFT than the one before (1/(1-rho)).
+    rates = per_rate[: len(feasible)]
+    slopes = [
+        (w1 - w0) / (r1 - r0)
+        for r0, r1, w0, w1 in zip(rates, rates[1:], waits, waits[1:], strict=False)
+    ]
+    assert all(b > a for a, b in zip(slopes, slopes[1:], strict=False))
+    at_two_thirds = next(w for r, w in zip(rho, waits, strict=True) if r >= 0.6)
+    assert waits[-1] > 10.0 * at_two_thirds  # 0.6 -> 0.95+ utilisation: ten times the TTFT
     # Past capacity the prediction is infeasible, named by the prefill bottleneck.
     over = preds[len(feasible) :]
     assert over and all(p.bottleneck in ("prefill_queue", "prefill_compute") for p in over)
 
 
+def test_prompts_of_a_whole_budget_queue_as_kingman_says() -> None:
+    # Prompts that fill a pass's token budget on their own are served one at a
+    # time: the wait is Kingman's (M/G/1 at random routing), the residual of the
+    # prefill in progress and the queue ahead, over 1 - rho.
+    per = PerReplicaLoad.from_estimate(load_of(6.0, prompt=4096.0, output=50.0), 1)
+    random_spread = PlannerPolicy(balanced_routing=False)
+    pred = predict_latency(LinearStepTime(), per, ENGINE, random_spread, 1)
+    service_ms = pred.prefill_service_ms
+    rho = per.prefill_requests_per_s * service_ms / 1e3
+    assert 0.3 < rho < 0.9
+    assert pred.prefill_utilisation == pytest.approx(rho, rel=1e-6)
+    kingman = rho * service_ms * (1.0 + random_spread.service_cv2) / (2.0 * (1.0 - rho))
+    assert pred.ttft_mean_ms - _wait_free_ttft_ms(per) == pytest.approx(kingman, rel=1e-6)
+
+
+def test_short_prompts_queued_behind_a_prefill_share_its_next_pass() -> None:
+    # Prompts of a tenth of the budget: the engine admits those that queue into one
+    # pass together, so each costs those behind it its tokens, not a pass of its own
+    # (a pass's fixed cost is paid once). The wait is less than Kingman's one at a
+    # time, and the replica keeps up with more prompts than one a pass allows.
+    random_spread = PlannerPolicy(balanced_routing=False)
+    per = PerReplicaLoad.from_estimate(load_of(40.0, prompt=200.0, output=20.0), 1)
+    pred = predict_latency(LinearStepTime(), per, ENGINE, random_spread, 1)
+    service_ms = pred.prefill_service_ms
+    rho_passes = per.prefill_requests_per_s * service_ms / 1e3
+    assert pred.prefill_utilisation < 0.8 * rho_passes  # tokens' share, not passes'
+    one_at_a_time = 2.0 * (1.0 - rho_passes)
+    kingman = rho_passes * service_ms * (1.0 + random_spread.service_cv2) / one_at_a_time
+    wait = pred.ttft_mean_ms - _wait_free_ttft_ms(per)
+    assert 0.0 < wait < 0.8 * kingman
+    # Past one prompt a pass, still served: the queue is of tokens.
+    beyond_one_a_pass = load_of(1.2e3 / service_ms, prompt=200.0, output=20.0)
+    faster = PerReplicaLoad.from_estimate(beyond_one_a_pass, 1)
+    assert faster.prefill_requests_per_s * service_ms / 1e3 > 1.0
+    assert predict_latency(LinearStepTime(), faster, ENGINE, random_spread, 1).feasible
+
+
 def test_a_balancing_router_makes_each_replica_queue_less_than_poisson() -> None:
     # Same per-replica load: one replica alone sees Poisson arrivals; one of eight
-    # behind a balancing router sees regular ones (CV^2 1/8), so it waits less.
+    # behind a balancing router sees regular ones (CV^2 1/8) and is sent a prompt
+    # while prefilling only when it is the least loaded, so it waits less.
     per = PerReplicaLoad.from_estimate(load_of(14.0), 1)
     balanced, random_spread = PlannerPolicy(), PlannerPolicy(balanced_routing=False)
     alone = predict_latency(LinearStepTime(), per, ENGINE, balanced, 1)
@@ -683,14 +726,14 @@ def test_a_balancing_router_makes_each_replica_queue_less_than_poisson() -> None
     random_eight = predict_latency(LinearStepTime(), per, ENGINE, random_spread, 8)
     assert random_eight.ttft_mean_ms == pytest.approx(alone.ttft_mean_ms)
     assert of_eight.itl_mean_ms == pytest.approx(alone.itl_mean_ms)  # queueing only
-    service = alone.ttft_mean_ms - _wait_free_ttft_ms(per)
-    # Kingman: the wait scales with (CV_a^2 + CV_s^2) / 2 = (1/8 + 1) / 2 of Poisson's,
-    # and the share that waits by how often the least loaded replica is prefilling.
-    rho = of_eight.prefill_utilisation
-    share = least_loaded_prefilling(8, of_eight.decode_batch, rho) / rho
-    assert of_eight.ttft_mean_ms - _wait_free_ttft_ms(per) == pytest.approx(
-        service * (1.0 / 8.0 + 1.0) / 2.0 * share, rel=1e-6
-    )
+    wait_alone = alone.ttft_mean_ms - _wait_free_ttft_ms(per)
+    wait_of_eight = of_eight.ttft_mean_ms - _wait_free_ttft_ms(per)
+    # The share that waits falls to how often the least loaded replica is
+    # prefilling, and those that wait find shorter queues than at random.
+    service_ms = of_eight.prefill_service_ms
+    rho_passes = per.prefill_requests_per_s * service_ms / 1e3
+    share = least_loaded_prefilling(8, of_eight.decode_batch, rho_passes) / rho_passes
+    assert 0.0 < wait_of_eight < share * wait_alone
 
 
 def test_a_measured_replica_dispersion_replaces_the_routing_assumption() -> None:
@@ -747,6 +790,25 @@ def test_a_least_loaded_router_avoids_a_prefilling_replica_unless_batches_hide_i
     assert 0.0 < least_loaded_prefilling(8, 1000.0, 0.4) <= 0.4
 
 
+def test_a_least_loaded_router_avoids_a_replica_with_prompts_queued() -> None:
+    # One replica: what it holds is the marginal, a queue of the mean length when busy.
+    alone = least_loaded_queue(1, 5.0, 0.4, 0.5)
+    assert (alone.prefilling, alone.queued) == (0.4, pytest.approx(0.2))
+    # No queue behind a prefill: nothing queued on the pick either.
+    assert least_loaded_queue(8, 5.0, 0.4, 0.0).queued == 0.0
+    # Over small batches a replica with a queue holds more than the others and is
+    # picked far less often than at random (0.4 * 0.5 queued ahead).
+    small = least_loaded_queue(8, 2.0, 0.4, 0.5)
+    assert 0.0 < small.queued < 0.1 * 0.4 * 0.5
+    assert small.prefilling == pytest.approx(least_loaded_prefilling(8, 2.0, 0.4), rel=0.5)
+    # Over large batches a queue of one or two is lost in their spread.
+    large = least_loaded_queue(8, 200.0, 0.4, 0.5)
+    assert 0.7 * 0.4 * 0.5 < large.queued < 0.4 * 0.5
+    # Longer queues make the pick avoid the busy replica more.
+    by_queue = [least_loaded_queue(8, 20.0, 0.4, m).prefilling for m in (0.0, 0.5, 2.0)]
+    assert by_queue == sorted(by_queue, reverse=True)
+
+
 def test_a_balancing_router_sends_long_prompts_to_empty_replicas() -> None:
     """Rare long prompts over many replicas: behind a balancing router a prompt waits
     for another's prefill only when no replica is empty, which almost never happens
@@ -769,6 +831,11 @@ def test_a_balancing_router_sends_long_prompts_to_empty_replicas() -> None:
     assert balanced.ttft_mean_ms - wait_free < 0.01 * random_wait  # it does not
     assert balanced.ttft_ms < random_spread.ttft_ms
     assert balanced.itl_mean_ms == pytest.approx(random_spread.itl_mean_ms)  # queueing only
+
+
+def least_loaded_prefilling(replicas: int, batch: float, busy: float) -> float:
+    """Chance the router's pick is prefilling, with no prompt queued behind a prefill."""
+    return least_loaded_queue(replicas, batch, busy, 0.0).prefilling
 
 
 def _wait_free_ttft_ms(per: PerReplicaLoad) -> float:
