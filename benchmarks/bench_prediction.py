@@ -1,0 +1,138 @@
+"""The latency model's predictions against the simulation, on fixed fleets.
+
+``bench_policies.py`` judges the predictions of a fleet the planner keeps
+resizing; here the planner's model predicts every 5 s for a fleet held at a
+fixed size (``scenario@n``), or for the planner's own choices (``scenario@0``,
+starting at ``--start``), so an error in the queueing model shows apart from the
+planner's moves. Per 30 s window, as ``prediction_errors`` compares them: the
+median bias and error of the predicted mean and p99 TTFT and p99 ITL, and the
+pooled share of requests above their window's predicted p99 (1% when
+calibrated). Prints a table; writes ``bench_prediction.json``.
+
+    PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_prediction.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing import Pool
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_policies as bp  # noqa: E402
+
+from stepscale_operator.simulator.fleet import Fleet, FleetView  # noqa: E402
+from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B  # noqa: E402
+from stepscale_operator.simulator.policies import (  # noqa: E402
+    PlannerDrivenPolicy,
+    ScalingSetup,
+    prediction_errors,
+)
+from stepscale_operator.simulator.traffic import Traffic, load_azure_csv  # noqa: E402
+
+DEFAULT_RUNS = (
+    "azure-conv-x20@8,azure-conv-x20@12,azure-conv-x40@20,shaped-bursty-code@11,"
+    "shaped-heavy-prompts@8,shaped-long-context@12,shaped-silence-burst@8,"
+    "azure-conv-x20@0,azure-conv-x40@0"
+)
+SHAPE_DURATION_S = 1800.0  # the shaped scenarios as bench_policies.py makes them
+KEYS = (
+    "median_bias_ttft_mean",
+    "median_bias_ttft_p99",
+    "median_error_ttft_p99",
+    "median_bias_itl_p99",
+    "median_error_itl_p99",
+    "share_above_predicted_ttft_p99",
+    "windows",
+)
+
+
+@dataclass
+class HeldFleetPolicy(PlannerDrivenPolicy):
+    """Ours, predicting as always, but held at ``replicas`` (0: the planner's choice)."""
+
+    replicas: int = 0
+
+    def desired(self, view: FleetView) -> int:
+        """The planner's decision is made (and its prediction recorded); the fleet
+        keeps ``replicas`` when set."""
+        decided = super().desired(view)
+        return self.replicas if self.replicas > 0 else decided
+
+
+def scenario_traffic(name: str, duration_s: float, seed: int) -> tuple[Traffic, ScalingSetup]:
+    """The traffic of a ``bench_policies.py`` scenario, cut to ``duration_s``."""
+    if name.startswith("azure-conv-x"):
+        if not bp.TRACE.exists():
+            raise SystemExit(f"no trace at {bp.TRACE}")
+        scale = float(name.rsplit("-x", 1)[1])
+        raw = load_azure_csv(bp.TRACE)
+        return raw.scaled(rate_scale=scale, duration_s=duration_s, seed=seed), bp.SETUP
+    for shaped, traffic, setup in bp.shaped_scenarios(SHAPE_DURATION_S, seed):
+        if shaped == name:
+            return traffic.scaled(duration_s=duration_s), setup
+    raise SystemExit(f"unknown scenario {name!r}")
+
+
+def run_one(job: tuple[str, float, int, int]) -> dict[str, object]:
+    """One ``scenario@n`` run: its prediction errors and wall time."""
+    run, duration_s, start, seed = job
+    name, _, count = run.partition("@")
+    replicas = int(count or 0)
+    traffic, setup = scenario_traffic(name, duration_s, seed)
+    policy = HeldFleetPolicy(setup=setup, replicas=replicas)
+    began = time.perf_counter()
+    config = setup.fleet_config(H100_LLAMA_8B, replicas or start, seed)
+    result = Fleet(traffic, policy, config).run()
+    errors = prediction_errors(policy, result)
+    held = [check.replicas for check in policy.checks]
+    return {
+        "run": run,
+        "replicas": replicas or "planner",
+        "replicas_median": float(sorted(held)[len(held) // 2]) if held else 0.0,
+        "wall_s": time.perf_counter() - began,
+        **{key: errors.get(key, float("nan")) for key in KEYS},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every ``scenario@n`` (in parallel), print the table, write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", default=DEFAULT_RUNS, help="comma-separated scenario@n")
+    parser.add_argument("--duration-s", type=float, default=1800.0)
+    parser.add_argument("--start", type=int, default=10, help="first count of @0 runs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", default=str(bp.REPO / "results"))
+    args = parser.parse_args(argv)
+    jobs = [(run, args.duration_s, args.start, args.seed) for run in args.runs.split(",") if run]
+    with Pool(args.workers) as pool:
+        rows = pool.map(run_one, jobs)
+    print(
+        f"{'run':28} {'held':>7} {'TTFT mean':>9} {'TTFT p99':>8} {'(error)':>7} "
+        f"{'ITL p99':>8} {'(error)':>7} {'>p99':>6} {'windows':>7}"
+    )
+    for row in rows:
+        print(
+            f"{row['run']:28} {row['replicas_median']:7.0f} "
+            f"{row['median_bias_ttft_mean']:+9.1%} {row['median_bias_ttft_p99']:+8.1%} "
+            f"{row['median_error_ttft_p99']:7.1%} {row['median_bias_itl_p99']:+8.1%} "
+            f"{row['median_error_itl_p99']:7.1%} {row['share_above_predicted_ttft_p99']:6.1%} "
+            f"{row['windows']:7.0f}"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_prediction.json").write_text(
+        json.dumps({"args": vars(args), "runs": rows}, indent=1)
+    )
+    print(f"wrote {out / 'bench_prediction.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
