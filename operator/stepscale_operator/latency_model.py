@@ -327,6 +327,12 @@ class RouterPick:
     prefilling: float  # chance a prompt is prefilling there
     queued: float  # mean prompts queued there beyond the one in progress
 
+    @classmethod
+    def at_random(cls, busy: float, queued_per_busy: float) -> RouterPick:
+        """A replica picked whatever it holds: busy with chance ``busy``, and then
+        ``queued_per_busy`` prompts queued on average."""
+        return cls(busy, busy * queued_per_busy)
+
 
 def least_loaded_queue(
     replicas: int, batch: float, busy: float, queued_per_busy: float
@@ -349,15 +355,13 @@ def least_loaded_queue(
     busy = min(max(busy, 0.0), 1.0)
     queued_per_busy = max(queued_per_busy, 0.0)
     if replicas <= 1 or busy in (0.0, 1.0):
-        return RouterPick(busy, busy * queued_per_busy)
+        return RouterPick.at_random(busy, queued_per_busy)
     batch = max(batch, 0.0)
     # Prompts held: 0, then 1, 2, ... with a geometric tail (ratio ``sigma``).
     sigma = queued_per_busy / (1.0 + queued_per_busy)
-    depth = (
-        1
-        if sigma <= 0.0
-        else max(1, min(_MAX_QUEUE_DEPTH, int(math.log(1e-9) / math.log(sigma)) + 1))
-    )
+    depth = 1
+    if sigma > 0.0:
+        depth = max(1, min(_MAX_QUEUE_DEPTH, int(math.log(1e-9) / math.log(sigma)) + 1))
     q = np.arange(depth + 1)
     prompts = np.where(q == 0, 1.0 - busy, busy * (1.0 - sigma) * sigma ** np.maximum(q - 1, 0))
     spread = 12.0 * math.sqrt(batch) + 20.0
@@ -366,18 +370,12 @@ def least_loaded_queue(
     if batch == 0.0:
         decodes = (k == 0).astype(float)
     else:
-        decodes = np.exp(k * math.log(batch) - batch - np.array([math.lgamma(x + 1) for x in k]))
-    # joint[i, j]: decodes low + i and j prompts; the total held is low + i + j.
-    joint = np.outer(decodes, prompts)
-    totals = len(k) + depth
-    held = np.zeros(totals)
-    prefilling = np.zeros(totals)
-    queued = np.zeros(totals)
-    for j in range(depth + 1):
-        held[j : j + len(k)] += joint[:, j]
-        if j >= 1:
-            prefilling[j : j + len(k)] += joint[:, j]
-            queued[j : j + len(k)] += (j - 1) * joint[:, j]
+        log_factorial = math.lgamma(low + 1) + np.concatenate(([0.0], np.cumsum(np.log(k[1:]))))
+        decodes = np.exp(k * math.log(batch) - batch - log_factorial)
+    # Index i of each: a replica holding low + i requests in all, decodes and prompts.
+    held = np.convolve(decodes, prompts)
+    prefilling = np.convolve(decodes, np.where(q >= 1, prompts, 0.0))
+    queued = np.convolve(decodes, np.maximum(q - 1, 0) * prompts)
     beyond = np.concatenate([np.cumsum(held[::-1])[::-1], [0.0]])  # P(holds >= low + i)
     fewest_here = beyond[:-1] ** replicas - beyond[1:] ** replicas
     ok = held > 0.0
@@ -591,8 +589,7 @@ def predict_latency(
         clump = max(dispersion - 1.0, 0.0) * min(service, 1.0) / max(replicas, 1)
         pick = least_loaded_queue(replicas, batch, min(rho + clump, 1.0), queued_per_busy)
     else:
-        busy = min(rho, 1.0)
-        pick = RouterPick(busy, busy * queued_per_busy)
+        pick = RouterPick.at_random(min(rho, 1.0), queued_per_busy)
     p_wait = pick.prefilling
     wait_mean = p_wait * residual + pick.queued * admitted_mean
     ttft_mean = wait_mean + service + f_d / 2.0
