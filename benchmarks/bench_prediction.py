@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ def run_one(job: tuple[str, float, int, int]) -> dict[str, object]:
     return {
         "run": run,
         "replicas": replicas or "planner",
-        "replicas_median": float(sorted(held)[len(held) // 2]) if held else 0.0,
+        "replicas_median": float(statistics.median(held)) if held else 0.0,
         "wall_s": time.perf_counter() - began,
         **{key: errors.get(key, float("nan")) for key in KEYS},
     }
