@@ -15,7 +15,9 @@ Per replica, with the load spread evenly by the router:
   ``n_c`` prefill steps, so the share of time spent on the extra prefill work is
   ``r * n_c * (f_p - f_d)`` and ``s = f_d / (1 - that share)``.
 * ITL is the mean step time, with a tail for short requests that happen to share
-  many steps with prefills (binomial count of prefill steps over ``k`` tokens).
+  many steps with prefills (binomial count of prefill steps over ``k`` tokens),
+  mixed over prompt lengths: each request's passes also read its own KV, which
+  over small batches of long prompts sets the tail (see ``itl_quantile``).
 * TTFT is the prefill service time plus the wait behind other prompts plus the
   residual of the step in progress. A prompt that lands on a replica prefilling
   waits out the prefill in progress and the prompts queued there ahead of it;
@@ -40,13 +42,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from statistics import NormalDist
 from typing import Protocol
 
 import numpy as np
 
 from stepscale_engine.wire import ScheduledRequestMetrics
-from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, PromptMix, itl_quantile
+from stepscale_operator.itl_quantile import (
+    PassTimes,
+    PrefillPassChain,
+    PromptMix,
+    itl_quantile,
+    normal_itl_quantile,
+)
 from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, LoadEstimate, bin_tokens_or_centres
 from stepscale_operator.quantile_search import exceedance_quantile
 
@@ -398,6 +405,26 @@ def no_replicas_prediction() -> LatencyPrediction:
     )
 
 
+def _own_context_shifts(
+    load: PerReplicaLoad, decode_s: float, decode_with: Callable[[float], float]
+) -> tuple[tuple[float, float], ...]:
+    """(seconds, share) per prompt-length class: what a request's own KV adds to a
+    decode pass over the mean request's (see :mod:`~stepscale_operator.itl_quantile`).
+
+    A request's context is its prompt plus what it has generated; the generated
+    part does not depend on the prompt's length, so a class's context is the mean
+    context moved by its prompt's distance from the mean prompt.
+    ``decode_with(tokens)`` is the decode pass with one request's context moved by
+    ``tokens``; ``decode_s`` the pass at the mean.
+    """
+    if len(load.prompt_lengths) < 2:
+        return ((0.0, 1.0),)
+    mean_prompt = sum(length * p for length, p in load.prompt_lengths)
+    return tuple(
+        (decode_with(length - mean_prompt) - decode_s, p) for length, p in load.prompt_lengths
+    )
+
+
 def predict_latency(
     predictor: StepTimePredictor,
     load: PerReplicaLoad,
@@ -434,9 +461,10 @@ def predict_latency(
     else:
         classes = [(prompt, 1.0)]
 
-    def pass_time(batch: float, chunk: float, prior_kv: float) -> float:
+    def pass_time(batch: float, chunk: float, prior_kv: float, own_kv: float = 0.0) -> float:
         # The predictor takes whole requests; interpolate between the two batch
         # sizes around a fractional mean so the fixed point moves smoothly.
+        # ``own_kv``: one decode request's context over the mean one's.
         low = math.floor(batch)
         weight = batch - low
 
@@ -447,7 +475,7 @@ def predict_latency(
                     sum_prefill_tokens=int(round(chunk)),
                     sum_prefill_kv_tokens=int(round(prior_kv)),
                     num_decode_requests=b,
-                    sum_decode_kv_tokens=int(round(b * context)),
+                    sum_decode_kv_tokens=int(round(max(b * context + own_kv, 0.0))) if b else 0,
                 )
             )
 
@@ -493,7 +521,6 @@ def predict_latency(
         if converged:
             break
 
-    z = NormalDist().inv_cdf(policy.latency_quantile)
     q_tail = 1.0 - policy.latency_quantile
     # Prefill service time per class, its mean and CV^2 (measured when the prompt
     # lengths are; else the mean prompt's time and the policy's prior CV^2).
@@ -512,15 +539,17 @@ def predict_latency(
     prefill_step_share = min(rate * chunks_mean * step, 1.0)
     variance_per_pass = prefill_step_share * (dispersion + service_cv2)
     itl_mean = step
+    own_context = _own_context_shifts(load, f_d, lambda own: pass_time(pass_batch, 0.0, 0.0, own))
     if load.output_intervals:
         # Long outputs see the prompts that arrive while they decode, less those a
         # balancing router sends to replicas with fewer requests (the measured
-        # deficit): the mean count scaled by the exposure. Some requests still see
-        # a long prompt and others none, so the count's variance is kept (a gamma mix
-        # of Poisson rates; in the bench it differs little from scaling both: bursty
-        # code's ITL error 35.9% -> 28.6%, silence-burst's bias +2.8% -> +7.3%).
-        # Short outputs keep the chain: scaled there too, bursty code's p99 came out
-        # at 0.66 of the simulated.
+        # deficit): each prompt reaches a request with probability ``exposure``, a
+        # thinned count (negative binomial of dispersion 1 + e (D - 1)). Keeping the
+        # count's variance instead (dispersion D / e) put nearly all the mass at no
+        # prompt where the exposure is small: long context's p99 ITL came out 31% low
+        # (thinned: 28%), the share of requests above it 4.9% (4.3%); elsewhere the
+        # two differ by 2 points of bias or less. Short outputs keep the chain:
+        # scaled there too, bursty code's p99 came out at 0.66 of the simulated.
         exposure = prefill_exposure(load.prefill_pass_decode_deficit, batch)
         # Measured output lengths: the quantile over them (short outputs set it).
         itl_q = itl_quantile(
@@ -531,17 +560,19 @@ def predict_latency(
             q_tail,
             PromptMix(
                 rate * step * exposure,
-                dispersion / max(exposure, 1e-3),  # the same variance
+                1.0 + exposure * (dispersion - 1.0),  # a thinned count
                 tuple((n, f - f_d, p) for n, f, p in prefills),
             ),
             # Decode tokens per prompt: the mean count of intervals.
             load.decode_tokens_per_s / rate if rate > 0.0 else 0.0,
+            own_context,
         )
     else:
         # The prior: one request of a share of the mean output stands for the tail.
         mean_output = load.decode_tokens_per_s / rate if rate > 0.0 else 1.0
         tail_tokens = max(mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens)
-        itl_q = step + z * max(f_p - f_d, 0.0) * math.sqrt(variance_per_pass / tail_tokens)
+        sd = max(f_p - f_d, 0.0) * math.sqrt(variance_per_pass / tail_tokens)
+        itl_q = normal_itl_quantile(step, sd, own_context, q_tail)
 
     # TTFT: G/G/1 on the prefill server (Kingman), exponential tail for the quantile.
     # ``rho``: the share of time a replica spends on some prompt's prefill passes.

@@ -10,7 +10,13 @@ import numpy.typing as npt
 import pytest
 
 from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics
-from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, PromptMix, itl_quantile
+from stepscale_operator.itl_quantile import (
+    PassTimes,
+    PrefillPassChain,
+    PromptMix,
+    itl_quantile,
+    normal_itl_quantile,
+)
 from stepscale_operator.latency_model import EngineLimits, PerReplicaLoad, predict_latency
 from stepscale_operator.load_estimate import LoadEstimator
 from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS
@@ -209,6 +215,27 @@ def test_itl_quantile_of_two_token_outputs_is_a_prefill_pass_when_more_than_the_
     none_short = tuple((a, b, 0.0) for a, b in OUTPUT_INTERVAL_BINS)
     long_only = itl_quantile(passes, chain, none_short, 0.16, 0.01)
     assert 0.0184 < long_only < 0.03
+
+
+def test_itl_quantile_mixes_the_requests_own_context_shifts() -> None:
+    # No prefill at all: every request's ITL is its decode pass, moved by its context.
+    passes = PassTimes(decode_s=0.007, prefill_s=0.007, mean_s=0.007)
+    chain = PrefillPassChain.of(0.0, 0.0)
+    long_only = tuple((a, b, 0.0) for a, b in OUTPUT_INTERVAL_BINS)
+    assert itl_quantile(passes, chain, long_only, 0.0, 0.01) == pytest.approx(0.007)
+    # 2% of requests read 5 ms more KV a pass: they are the p99.
+    two_percent = ((-0.0001, 0.98), (0.005, 0.02))
+    at_p99 = itl_quantile(passes, chain, long_only, 0.0, 0.01, own_context=two_percent)
+    assert at_p99 == pytest.approx(0.012, rel=1e-3)
+    # Half a percent of them are below the tail: the p99 is the others' pass.
+    half_percent = ((0.0, 0.995), (0.005, 0.005))
+    below = itl_quantile(passes, chain, long_only, 0.0, 0.01, own_context=half_percent)
+    assert below == pytest.approx(0.007, rel=1e-3)
+    # The prior's normal takes the same mixture; one class is the normal itself.
+    assert normal_itl_quantile(0.007, 0.0, two_percent, 0.01) == pytest.approx(0.012, rel=1e-3)
+    assert normal_itl_quantile(0.007, 0.001, ((0.0, 1.0),), 0.01) == pytest.approx(
+        0.007 + 2.3263e-3, rel=1e-3
+    )
 
 
 def test_measured_short_outputs_raise_the_predicted_itl_tail_and_the_prior_stays() -> None:

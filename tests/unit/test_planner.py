@@ -1112,6 +1112,37 @@ def _with_prompts(load: LoadEstimate, lengths: list[float]) -> LoadEstimate:
     )
 
 
+def test_a_long_prompt_sets_its_own_itl_over_a_small_batch() -> None:
+    # Long-context traffic on a roomy fleet: under one decode request a pass, so a
+    # request's pass reads mostly its own KV. 3% of prompts are 120k tokens: with
+    # 40 ns a KV token their passes take ~4.8 ms more than a 2k prompt's.
+    lengths = [2000.0] * 97 + [120_000.0] * 3
+    rare = _with_prompts(load_of(0.05, output=200.0), lengths)
+    rare = replace(rare, mean_decode_context_tokens=rare.mean_prompt_tokens + 100.0)
+    per = PerReplicaLoad.from_estimate(rare, 1)
+    pred = predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy())
+    lone_long = LinearStepTime().predict(
+        ScheduledRequestMetrics(num_decode_requests=1, sum_decode_kv_tokens=120_100)
+    )
+    assert pred.decode_batch < 1.0
+    assert pred.itl_ms >= 0.97 * lone_long * 1e3
+    # Every request at the mean context (one length known): the p99 is far below.
+    at_mean = predict_latency(
+        LinearStepTime(), replace(per, prompt_lengths=()), ENGINE, PlannerPolicy()
+    )
+    assert at_mean.itl_ms < 0.8 * pred.itl_ms
+    # Over a batch of ~30 one request's context moves a pass little.
+    busy = _with_prompts(load_of(20.0, output=200.0), lengths)
+    busy = replace(busy, mean_decode_context_tokens=busy.mean_prompt_tokens + 100.0)
+    busy_per = PerReplicaLoad.from_estimate(busy, 1)
+    spread = predict_latency(LinearStepTime(), busy_per, ENGINE, PlannerPolicy())
+    flat = predict_latency(
+        LinearStepTime(), replace(busy_per, prompt_lengths=()), ENGINE, PlannerPolicy()
+    )
+    assert spread.decode_batch > 20.0
+    assert spread.itl_ms <= 1.15 * flat.itl_ms
+
+
 def test_prompts_no_count_serves_in_time_are_reported_not_chased_to_max_replicas() -> None:
     # A fifth of the prompts take 200k tokens: 6 s of prefill alone on an idle
     # replica, far beyond the 1 s TTFT SLO at any count.
