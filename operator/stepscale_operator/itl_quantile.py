@@ -52,13 +52,14 @@ Pure functions; :func:`~stepscale_operator.latency_model.predict_latency` calls
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
 import numpy.typing as npt
 
-from stepscale_operator.quantile_search import exceedance_quantile
+FloatArray = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,10 @@ class PromptMix:
 # Intervals (m = output tokens - 1) up to which the count of prefill passes is
 # computed exactly on the chain; longer requests are normal around the mean pass.
 EXACT_INTERVALS = 32
+# The quantile's search: a grid of this many cells, refined this many times on the
+# cell that holds it (the bracket shrinks 64^4 = 1.7e7-fold).
+_GRID_POINTS = 64
+_GRID_PASSES = 4
 
 
 def itl_quantile(
@@ -229,30 +234,21 @@ def itl_quantile(
             sd = extra * math.sqrt(max(variance_per_pass, 0.0) / m)
             normals.append((share, NormalDist(passes.mean_s, max(sd, 1e-12))))
 
-    def exceed(x: float) -> float:
-        total = float(above[np.searchsorted(vals, x, side="right")])
+    def exceed(x: FloatArray) -> FloatArray:
+        # Vectorised over ``x``: the mixture below evaluates every class at once.
+        total = above[np.searchsorted(vals, x, side="right")]
         for share, dist in normals:
-            total += share * (1.0 - dist.cdf(x))
+            total = total + share * np.array([1.0 - dist.cdf(float(v)) for v in x])
         for m, share, step, cdf in compound:
             at = (x - passes.decode_s) * m / step  # extra time, in grid steps
-            if at < 0.0:
-                total += share
-            elif at < cdf.size - 1:
-                i = int(at)
-                total += share * (1.0 - (cdf[i] + (at - i) * (cdf[i + 1] - cdf[i])))
+            i = np.clip(at.astype(np.int64), 0, cdf.size - 2)
+            inside = cdf[i] + (at - i) * (cdf[i + 1] - cdf[i])
+            below = np.where(at < 0.0, 0.0, np.where(at < cdf.size - 1, inside, 1.0))
+            total = total + share * (1.0 - below)
         return total / with_itl
 
-    shifts = [(shift, share) for shift, share in own_context if share > 0.0] or [(0.0, 1.0)]
-    mass = sum(share for _, share in shifts)
-
-    def exceed_mixed(x: float) -> float:
-        return sum(share * exceed(x - shift) for shift, share in shifts) / mass
-
-    lo = passes.decode_s + min(shift for shift, _ in shifts)
-    if exceed_mixed(lo) <= tail:
-        return lo
-    hi = max(passes.prefill_s, passes.mean_s) + 8.0 * extra + max(s for s, _ in shifts)
-    return exceedance_quantile(exceed_mixed, lo, hi, tail)
+    hi = max(passes.prefill_s, passes.mean_s) + 8.0 * extra
+    return _mixture_quantile(exceed, own_context, passes.decode_s, hi, tail)
 
 
 def normal_itl_quantile(
@@ -260,17 +256,43 @@ def normal_itl_quantile(
 ) -> float:
     """The ITL exceeded by a share ``tail`` of requests when each request's ITL is
     normal (``mean_s``, ``sd_s``) shifted by its own context (see :func:`itl_quantile`)."""
-    shifts = [(shift, share) for shift, share in own_context if share > 0.0] or [(0.0, 1.0)]
-    mass = sum(share for _, share in shifts)
-    if len(shifts) == 1:
-        return mean_s + shifts[0][0] + NormalDist().inv_cdf(1.0 - tail) * sd_s
-    dists = [
-        (NormalDist(mean_s + shift, max(sd_s, 1e-12)), share / mass) for shift, share in shifts
-    ]
+    if len(own_context) == 1:
+        return mean_s + own_context[0][0] + NormalDist().inv_cdf(1.0 - tail) * sd_s
+    dist = NormalDist(mean_s, max(sd_s, 1e-12))
 
-    def exceed(x: float) -> float:
-        return sum(share * (1.0 - dist.cdf(x)) for dist, share in dists)
+    def exceed(x: FloatArray) -> FloatArray:
+        return np.array([1.0 - dist.cdf(float(v)) for v in x])
 
-    lo = mean_s + min(shift for shift, _ in shifts) - 8.0 * sd_s
-    hi = mean_s + max(shift for shift, _ in shifts) + 8.0 * sd_s
-    return exceedance_quantile(exceed, lo, hi, tail)
+    return _mixture_quantile(exceed, own_context, mean_s - 8.0 * sd_s, mean_s + 8.0 * sd_s, tail)
+
+
+def _mixture_quantile(
+    exceed: Callable[[FloatArray], FloatArray],
+    own_context: tuple[tuple[float, float], ...],
+    lo: float,
+    hi: float,
+    tail: float,
+) -> float:
+    """The quantile at ``tail`` of the mixture of ``exceed`` (vectorised; ``tail`` is
+    reached between ``lo`` and ``hi``) shifted by each (seconds, share) class."""
+    kept = [(shift, share) for shift, share in own_context if share > 0.0] or [(0.0, 1.0)]
+    shifts = np.array([shift for shift, _ in kept])
+    shares = np.array([share for _, share in kept])
+    shares = shares / shares.sum()
+
+    def mixed(x: FloatArray) -> FloatArray:
+        return exceed((x[:, None] - shifts[None, :]).ravel()).reshape(x.size, -1) @ shares
+
+    lo += float(shifts.min())
+    hi = max(hi + float(shifts.max()), lo + 1e-6)
+    if mixed(np.array([lo]))[0] <= tail:
+        return lo
+    while mixed(np.array([hi]))[0] > tail:
+        hi = lo + 2.0 * (hi - lo)
+    # The first grid point within the tail, refined on its cell: each pass narrows
+    # the bracket 64-fold, evaluating every class at every point at once.
+    for _ in range(_GRID_PASSES):
+        grid = np.linspace(lo, hi, _GRID_POINTS + 1)
+        first = int(np.argmax(mixed(grid) <= tail))
+        lo, hi = float(grid[max(first - 1, 0)]), float(grid[first])
+    return hi
