@@ -72,7 +72,7 @@ def scenario_traffic(name: str, duration_s: float, seed: int) -> tuple[Traffic, 
     """The traffic of a ``bench_policies.py`` scenario, cut to ``duration_s``."""
     if name.startswith("azure-conv-x"):
         if not bp.TRACE.exists():
-            raise SystemExit(f"no trace at {bp.TRACE}")
+            raise ValueError(f"no trace at {bp.TRACE}")
         scale = float(name.rsplit("-x", 1)[1])
         raw = load_azure_csv(bp.TRACE)
         return raw.scaled(rate_scale=scale, duration_s=duration_s, seed=seed), bp.SETUP
@@ -82,7 +82,8 @@ def scenario_traffic(name: str, duration_s: float, seed: int) -> tuple[Traffic, 
     for shaped, traffic, setup in bp.shaped_scenarios(SHAPE_DURATION_S, seed):
         if shaped == name:
             return traffic.scaled(duration_s=duration_s), setup
-    raise SystemExit(f"unknown scenario {name!r}")
+    # ValueError, not SystemExit: the pool re-raises it here; an exit hangs the pool.
+    raise ValueError(f"unknown scenario {name!r}")
 
 
 def run_one(job: tuple[str, float, int, int]) -> dict[str, object]:
@@ -117,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(bp.REPO / "results"))
     args = parser.parse_args(argv)
     jobs = [(run, args.duration_s, args.start, args.seed) for run in args.runs.split(",") if run]
-    for run, *_ in jobs:  # here, not in a worker: an exit there hangs the pool
-        scenario_traffic(run.partition("@")[0], 1.0, args.seed)
     with Pool(args.workers) as pool:
         rows = pool.map(run_one, jobs)
     print(
