@@ -202,15 +202,24 @@ def replica_dispersion_at(
 
 
 def prefill_exposure(deficit: float, batch: float) -> float:
-    """The share of a replica's decode requests that a prefill pass delays, relative
-    to the mean pass: 1 when prompts land anywhere; less when the router sends them
-    to replicas with ``deficit`` fewer decode requests than the mean pass carries.
+    """The decode requests a prefill pass delays, relative to the mean decode batch
+    over time (``batch``): 1 when prompts land anywhere; less when the router sends
+    them to replicas with ``deficit`` fewer decode requests than the mean pass
+    carries (0: none measured, taken as 1).
 
-    ``batch`` is the mean decode batch over time; a pass runs only while the replica
-    holds a request, so the batch of the mean pass is taken as at least one (the
-    deficit is measured over passes, not over time).
+    A pass runs only while the replica holds a request, so the mean *pass* carries
+    at least one decode request (the deficit is measured over passes): a prefill
+    pass carries ``max(batch, 1) - deficit``. The latency model counts the prompts
+    that reach a request over time (per unit time, scaled to a pass by the mean
+    step), so that is set against the batch over time, idle time included: over
+    batches below one, a prefill pass can carry more decodes than the replica holds
+    on average. Taken against the batch of a pass instead, long-context traffic on 8
+    replicas (0.6 decodes each) put the share of decode tokens in prefill passes at
+    a third of what its passes measured, and the p99 ITL 23% low.
     """
-    return min(max(1.0 - deficit / max(batch, 1.0), 0.0), 1.0)
+    if deficit <= 0.0:
+        return 1.0
+    return max(max(batch, 1.0) - deficit, 0.0) / max(batch, 1e-9)
 
 
 def prompt_distribution(

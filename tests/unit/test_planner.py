@@ -15,6 +15,7 @@ from stepscale_operator.latency_model import (
     SloTargets,
     least_loaded_queue,
     predict_latency,
+    prefill_exposure,
     replica_dispersion_at,
     smallest_replicas_within_slo,
 )
@@ -1335,3 +1336,20 @@ def test_prompts_piled_at_a_cap_set_the_ttft_quantile_at_their_own_length() -> N
     assert 0.95 * own < _p99_ttft_on_an_idle_replica(load) < 1.06 * own
     # What the measured means mend: the bins' centres alone.
     assert _p99_ttft_on_an_idle_replica(replace(load, prompt_bin_tokens=())) > 1.1 * own
+
+
+def test_prefill_exposure_gives_the_decode_tokens_that_prefill_passes_carry() -> None:
+    # A replica's log over 2 s: idle for 1 s, then 100 passes of 10 ms; 30 carry a
+    # prefill chunk and 10 decodes between them, 70 are decode-only with 90. The
+    # latency model reckons prefill passes per unit time (30 x 10 ms / 2 s = 0.15
+    # of a step) and the batch over time (100 decode tokens x 10 ms / 2 s = 0.5);
+    # the exposure must turn that into the share of decode tokens the prefill
+    # passes carried (10 of 100), from the deficit measured over passes.
+    deficit = 100 / 100 - 10 / 30
+    prefill_share_of_time, batch_over_time = 0.15, 0.5
+    exposure = prefill_exposure(deficit, batch_over_time)
+    assert prefill_share_of_time * exposure == pytest.approx(10 / 100)
+    # Over large batches it is the plain ratio; unmeasured, every decode is exposed.
+    assert prefill_exposure(3.0, 30.0) == pytest.approx(0.9)
+    assert prefill_exposure(0.0, 0.5) == 1.0
+    assert prefill_exposure(2.0, 0.5) == 0.0
