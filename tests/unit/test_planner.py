@@ -1352,4 +1352,5 @@ def test_prefill_exposure_gives_the_decode_tokens_that_prefill_passes_carry() ->
     # Over large batches it is the plain ratio; unmeasured, every decode is exposed.
     assert prefill_exposure(3.0, 30.0) == pytest.approx(0.9)
     assert prefill_exposure(0.0, 0.5) == 1.0
+    assert prefill_exposure(0.5, 0.0) == 1.0  # no decodes: the count stays finite
     assert prefill_exposure(2.0, 0.5) == 0.0
