@@ -571,7 +571,9 @@ def predict_latency(
             q_tail,
             PromptMix(
                 rate * step * exposure,
-                dispersion / max(exposure, 1e-3),  # the same variance
+                # The same variance; where the exposure exceeds the dispersion
+                # (batches below one) PromptMix keeps it at least Poisson's.
+                dispersion / max(exposure, 1e-3),
                 tuple((n, f - f_d, p) for n, f, p in prefills),
             ),
             # Decode tokens per prompt: the mean count of intervals.
