@@ -220,6 +220,10 @@ class LoadEstimator:
         self._q_time = np.full(cap, np.nan)  # when the latest queue was reported
         self._budget = np.zeros(cap)  # largest prefill_tokens + decode_requests seen
         self._prev_full = np.zeros(cap, dtype=bool)
+        # The last full pass of each stream, until its next message tells which of its
+        # prompts went on: prompt tokens (computed + cached), requests, length
+        # variance, when received.
+        self._pending_full = np.zeros((cap, 4))
         self._outputs = OutputLengthEstimator()
         self.rejected: dict[str, int] = {}  # implausible messages by reason
 
@@ -270,6 +274,7 @@ class LoadEstimator:
         self._q_time = np.r_[self._q_time, np.full(pad, np.nan)]
         self._budget = np.r_[self._budget, np.zeros(pad)]
         self._prev_full = np.r_[self._prev_full, np.zeros(pad, dtype=bool)]
+        self._pending_full = np.vstack([self._pending_full, np.zeros((pad, 4))])
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
     def _reset_slot(self, slot: int) -> None:
@@ -281,6 +286,7 @@ class LoadEstimator:
         self._q_time[slot] = np.nan
         self._budget[slot] = 0.0
         self._prev_full[slot] = False
+        self._pending_full[slot] = 0.0
         self._outputs.forget(slot)
 
     # -- observation -----------------------------------------------------------
@@ -423,7 +429,19 @@ class LoadEstimator:
         per_stream[:, _QS_COLS] = queue_seconds
         # Few passes finish a prompt: their lengths go straight to their stream's row.
         stream_of_row = np.repeat(np.arange(streams.shape[0]), ends - starts)
-        _add_prompt_lengths(per_stream, stream_of_row, final, c + k, n_pre, s[:, SCHED_PREFILL_VAR])
+        var = s[:, SCHED_PREFILL_VAR]
+        rows = np.flatnonzero(final & (n_pre > 0))
+        finished = _FinishedPrompts(stream_of_row[rows], n_pre[rows], (c + k)[rows], var[rows])
+        _add_prompt_lengths(per_stream, finished)
+        # Prompts that finished in full passes (a long prompt's last chunk with the
+        # next prompt's first): the final passes alone missed 20-40% of the prompts
+        # beyond 3k tokens on a fleet where prompts queue behind long ones.
+        in_full = self._finished_in_full_passes(
+            streams, starts, stream_of_row, full, c, k, n_pre, var, now
+        )
+        _add_prompt_lengths(per_stream, in_full)
+        np.add.at(per_stream[:, _PROMPT_TOKENS_FINAL], in_full.stream, in_full.tokens)
+        np.add.at(per_stream[:, _PROMPT_REQS_FINAL], in_full.stream, in_full.requests)
 
         bucket = int(math.floor(now / self.bucket_s))
         pos = bucket % self._ring_len
@@ -434,6 +452,58 @@ class LoadEstimator:
         # Not sums: the queue as the bucket ends, for the arrivals' mass balance.
         self._sums[streams, pos, _QUEUE_LAST] = self._queued[streams, 0]
         self._sums[streams, pos, _QUEUE_SEEN] = 1.0
+
+    def _finished_in_full_passes(
+        self,
+        streams: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        stream_of_row: npt.NDArray[np.int64],
+        full: npt.NDArray[np.bool_],
+        computed: FloatArray,
+        cached: FloatArray,
+        requests: FloatArray,
+        variance: FloatArray,
+        now: float,
+    ) -> _FinishedPrompts:
+        """The prompts that finished in full passes, told by each one's next message.
+
+        A full pass ends with a prompt the budget cut, which the engine goes on with
+        in its very next pass, unless that next message computes no prompt (a
+        decode-only pass, or a heartbeat: the engine went idle). The prompt going on
+        holds all it has computed in the KV cache there: that pass's cached tokens
+        (exact unless it also starts a prompt with a prefix-cache hit). What the full
+        pass held beyond that is the prompts it finished. A stream's last message of
+        a batch, when a full pass, waits for the stream's next message (in a later
+        batch), and is dropped if that comes after the window has moved past it.
+        Where several finished, the pass's length variance (the prompt going on
+        included) stands for theirs.
+        """
+        rows = np.arange(full.shape[0])
+        last = np.r_[stream_of_row[1:] != stream_of_row[:-1], True]
+        tokens_of = computed + cached
+        # Full passes whose next message is in this batch, then those of the batches
+        # before (their next message: their stream's first here).
+        here = full & ~last
+        pend = self._pending_full[streams]
+        waiting = (pend[:, 1] > 0) & (pend[:, 3] >= now - self.window_s)
+        tokens = np.r_[tokens_of[here], pend[waiting, 0]]
+        reqs = np.r_[requests[here], pend[waiting, 1]]
+        var = np.r_[variance[here], pend[waiting, 2]]
+        stream = np.r_[stream_of_row[here], np.flatnonzero(waiting)]
+        nxt = np.r_[rows[1:][here[:-1]], starts[waiting]]
+        # Each stream's last message waits when a full pass; the others are done.
+        ends_full = last & full
+        self._pending_full[streams] = 0.0
+        self._pending_full[streams[stream_of_row[ends_full]]] = np.c_[
+            tokens_of[ends_full],
+            requests[ends_full],
+            variance[ends_full],
+            np.full(int(ends_full.sum()), now),
+        ]
+        carry = np.where(computed[nxt] > 0, np.minimum(cached[nxt], tokens), 0.0)
+        count = reqs - (carry > 0.0)
+        ok = (count > 0) & (tokens - carry > 0.0)
+        return _FinishedPrompts(stream[ok], count[ok], (tokens - carry)[ok], var[ok])
 
     def _held_for(self, slots: npt.NDArray[np.int64], now: float) -> FloatArray:
         """Seconds each stream's latest queue has held (0 if none; capped at staleness)."""
@@ -668,34 +738,36 @@ class _Shapes:
     realized_ttft_tail_ms: float
 
 
-def _add_prompt_lengths(
-    per_stream: FloatArray,
-    stream_of_row: npt.NDArray[np.int64],
-    final: npt.NDArray[np.bool_],
-    prompt_tokens: FloatArray,
-    requests: FloatArray,
-    variance: FloatArray,
-) -> None:
-    """Histogram the full prompt lengths of the prompts each final pass finishes,
-    and sum their tokens per bin (the bin's mean length), into the row of
-    ``per_stream`` of each pass's stream.
+@dataclass(frozen=True)
+class _FinishedPrompts:
+    """Prompts that finished prefill, by pass: the stream (index in the batch), how
+    many, their full lengths' sum and population variance."""
+
+    stream: npt.NDArray[np.int64]
+    requests: FloatArray
+    tokens: FloatArray
+    variance: FloatArray
+
+
+def _add_prompt_lengths(per_stream: FloatArray, finished: _FinishedPrompts) -> None:
+    """Histogram the full prompt lengths of ``finished``, and sum their tokens per
+    bin (the bin's mean length), into the row of ``per_stream`` of their stream.
 
     A pass reports the mean and variance of its requests' lengths, not each one:
     with several, half go one standard deviation either side of the mean (the
     same two moments), one alone is exact.
     """
-    rows = np.flatnonzero(final & (requests > 0))
-    if rows.size == 0:
+    if finished.stream.size == 0:
         return
-    n = requests[rows]
-    mean = prompt_tokens[rows] / n
-    spread = np.where(n > 1, np.sqrt(np.maximum(variance[rows], 0.0)), 0.0)
+    n = finished.requests
+    mean = finished.tokens / n
+    spread = np.where(n > 1, np.sqrt(np.maximum(finished.variance, 0.0)), 0.0)
     edges = np.asarray(PROMPT_BIN_EDGES)
     for sign in (-1.0, 1.0):
         length = np.maximum(mean + sign * spread, 1.0)
         idx = np.clip(np.searchsorted(edges, length, side="right") - 1, 0, len(edges) - 1)
-        np.add.at(per_stream, (stream_of_row[rows], _HIST + idx), n / 2.0)
-        np.add.at(per_stream, (stream_of_row[rows], _BIN_TOKENS + idx), length * n / 2.0)
+        np.add.at(per_stream, (finished.stream, _HIST + idx), n / 2.0)
+        np.add.at(per_stream, (finished.stream, _BIN_TOKENS + idx), length * n / 2.0)
 
 
 def _dispersions(grid: FloatArray) -> tuple[float, float]:

@@ -434,6 +434,53 @@ def test_two_prompts_in_one_pass_spread_by_their_variance() -> None:
     assert len([h for h in hist if h > 0]) == 2 and sum(hist) == pytest.approx(20.0)
 
 
+def _long_prompt_finishing_in_a_full_pass(counter: int) -> list[ForwardPassMetrics]:
+    """A 2,600-token prompt in chunks of a 1,000-token budget whose last chunk (600)
+    shares a full pass with the first 400 tokens of an 800-token prompt, which ends
+    in the pass after: the long prompt finishes in a full pass."""
+    chunks = [
+        ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=1000),
+        ScheduledRequestMetrics(
+            num_prefill_requests=1, sum_prefill_tokens=1000, sum_prefill_kv_tokens=1000
+        ),
+        ScheduledRequestMetrics(
+            num_prefill_requests=2,
+            sum_prefill_tokens=1000,
+            sum_prefill_kv_tokens=2000,
+            var_prefill_length=900.0**2,  # of the full lengths 2,600 and 800
+        ),
+        ScheduledRequestMetrics(
+            num_prefill_requests=1, sum_prefill_tokens=400, sum_prefill_kv_tokens=400
+        ),
+    ]
+    return [_msg(counter + i, sched, wall=0.05) for i, sched in enumerate(chunks)]
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "in-batches"])
+def test_prompts_finishing_in_full_passes_are_counted(batched: bool) -> None:
+    from stepscale_operator.load_types import PROMPT_BIN_EDGES
+
+    est = _with_budget(LoadEstimator(window_s=30.0), tokens=1000)
+    for cycle in range(10):
+        msgs = _long_prompt_finishing_in_a_full_pass(4 * cycle)
+        if batched:  # the next pass in the same batch
+            est.observe_batch(msgs, cycle + 0.5)
+        else:  # the next pass in a later batch: the full pass waits for it
+            for i, msg in enumerate(msgs):
+                est.observe(msg, cycle + 0.1 * i)
+    load = est.estimate(10.0)
+    hist = load.prompt_histogram
+
+    def bin_of(length: int) -> int:
+        return max(i for i, edge in enumerate(PROMPT_BIN_EDGES) if edge <= length)
+
+    # Both prompts of every cycle, the long one included (only the 800s when a full
+    # pass was taken to finish nothing).
+    assert hist[bin_of(2600)] == pytest.approx(10.0) and hist[bin_of(800)] == pytest.approx(10.0)
+    assert sum(hist) == pytest.approx(20.0)
+    assert load.mean_prompt_tokens == pytest.approx(1700.0)
+
+
 def _arrivals_with(per_second: list[int]) -> float:
     """Arrival dispersion measured when ``per_second[s]`` prompts finish in second s."""
     est = _with_budget(LoadEstimator(window_s=30.0))
