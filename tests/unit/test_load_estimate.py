@@ -481,6 +481,34 @@ def test_prompts_finishing_in_full_passes_are_counted(batched: bool) -> None:
     assert load.mean_prompt_tokens == pytest.approx(1700.0)
 
 
+@pytest.mark.parametrize("then", ["decode-only pass", "heartbeat"])
+def test_a_full_pass_before_a_pass_without_prompts_finished_them_all(then: str) -> None:
+    from stepscale_operator.load_types import PROMPT_BIN_EDGES
+
+    est = _with_budget(LoadEstimator(window_s=30.0), tokens=1000)
+    # Two prompts of 600 and 380 tokens fill the budget beside 20 decodes; nothing
+    # goes on in the next message, so both finished.
+    both = ScheduledRequestMetrics(
+        num_prefill_requests=2,
+        sum_prefill_tokens=980,
+        var_prefill_length=110.0**2,
+        num_decode_requests=20,
+        sum_decode_kv_tokens=20 * 500,
+    )
+    counter = 0
+    for cycle in range(10):
+        est.observe(_msg(counter, both, wall=0.05), cycle + 0.1)
+        nxt = _msg(counter + 1, DECODE) if then == "decode-only pass" else heartbeat("w", 0, 0)
+        est.observe(nxt, cycle + 0.2)
+        counter += 2
+    load = est.estimate(10.0)
+    hist = load.prompt_histogram
+    assert sum(hist) == pytest.approx(20.0)
+    for length in (600, 380):
+        assert hist[max(i for i, e in enumerate(PROMPT_BIN_EDGES) if e <= length)] == 10.0
+    assert load.mean_prompt_tokens == pytest.approx(490.0)
+
+
 def _arrivals_with(per_second: list[int]) -> float:
     """Arrival dispersion measured when ``per_second[s]`` prompts finish in second s."""
     est = _with_budget(LoadEstimator(window_s=30.0))
