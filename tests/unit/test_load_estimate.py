@@ -434,6 +434,13 @@ def test_two_prompts_in_one_pass_spread_by_their_variance() -> None:
     assert len([h for h in hist if h > 0]) == 2 and sum(hist) == pytest.approx(20.0)
 
 
+def _bin_of(length: int) -> int:
+    """The prompt-length histogram bin of ``length`` tokens."""
+    from stepscale_operator.load_types import PROMPT_BIN_EDGES
+
+    return max(i for i, edge in enumerate(PROMPT_BIN_EDGES) if edge <= length)
+
+
 def _long_prompt_finishing_in_a_full_pass(counter: int) -> list[ForwardPassMetrics]:
     """A 2,600-token prompt in chunks of a 1,000-token budget whose last chunk (600)
     shares a full pass with the first 400 tokens of an 800-token prompt, which ends
@@ -458,8 +465,6 @@ def _long_prompt_finishing_in_a_full_pass(counter: int) -> list[ForwardPassMetri
 
 @pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "in-batches"])
 def test_prompts_finishing_in_full_passes_are_counted(batched: bool) -> None:
-    from stepscale_operator.load_types import PROMPT_BIN_EDGES
-
     est = _with_budget(LoadEstimator(window_s=30.0), tokens=1000)
     for cycle in range(10):
         msgs = _long_prompt_finishing_in_a_full_pass(4 * cycle)
@@ -470,21 +475,15 @@ def test_prompts_finishing_in_full_passes_are_counted(batched: bool) -> None:
                 est.observe(msg, cycle + 0.1 * i)
     load = est.estimate(10.0)
     hist = load.prompt_histogram
-
-    def bin_of(length: int) -> int:
-        return max(i for i, edge in enumerate(PROMPT_BIN_EDGES) if edge <= length)
-
     # Both prompts of every cycle, the long one included (only the 800s when a full
     # pass was taken to finish nothing).
-    assert hist[bin_of(2600)] == pytest.approx(10.0) and hist[bin_of(800)] == pytest.approx(10.0)
+    assert hist[_bin_of(2600)] == pytest.approx(10.0) and hist[_bin_of(800)] == pytest.approx(10.0)
     assert sum(hist) == pytest.approx(20.0)
     assert load.mean_prompt_tokens == pytest.approx(1700.0)
 
 
 @pytest.mark.parametrize("then", ["decode-only pass", "heartbeat"])
 def test_a_full_pass_before_a_pass_without_prompts_finished_them_all(then: str) -> None:
-    from stepscale_operator.load_types import PROMPT_BIN_EDGES
-
     est = _with_budget(LoadEstimator(window_s=30.0), tokens=1000)
     # Two prompts of 600 and 380 tokens fill the budget beside 20 decodes; nothing
     # goes on in the next message, so both finished.
@@ -498,14 +497,18 @@ def test_a_full_pass_before_a_pass_without_prompts_finished_them_all(then: str) 
     counter = 0
     for cycle in range(10):
         est.observe(_msg(counter, both, wall=0.05), cycle + 0.1)
-        nxt = _msg(counter + 1, DECODE) if then == "decode-only pass" else heartbeat("w", 0, 0)
+        nxt = (
+            _msg(counter + 1, DECODE)
+            if then == "decode-only pass"
+            else heartbeat("w", 0, counter + 1)
+        )
         est.observe(nxt, cycle + 0.2)
         counter += 2
     load = est.estimate(10.0)
     hist = load.prompt_histogram
     assert sum(hist) == pytest.approx(20.0)
     for length in (600, 380):
-        assert hist[max(i for i, e in enumerate(PROMPT_BIN_EDGES) if e <= length)] == 10.0
+        assert hist[_bin_of(length)] == pytest.approx(10.0)
     assert load.mean_prompt_tokens == pytest.approx(490.0)
 
 
