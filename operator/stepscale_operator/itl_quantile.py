@@ -59,7 +59,7 @@ from statistics import NormalDist
 import numpy as np
 import numpy.typing as npt
 
-FloatArray = npt.NDArray[np.float64]
+from stepscale_operator.quantile_search import FloatArray, exceedance_quantile_on_grid
 
 
 @dataclass(frozen=True)
@@ -153,10 +153,6 @@ class PromptMix:
 # Intervals (m = output tokens - 1) up to which the count of prefill passes is
 # computed exactly on the chain; longer requests are normal around the mean pass.
 EXACT_INTERVALS = 32
-# The quantile's search: a grid of this many cells, refined this many times on the
-# cell that holds it (the bracket shrinks 64^4 = 1.7e7-fold).
-_GRID_POINTS = 64
-_GRID_PASSES = 4
 
 
 def itl_quantile(
@@ -283,16 +279,6 @@ def _mixture_quantile(
     def mixed(x: FloatArray) -> FloatArray:
         return exceed((x[:, None] - shifts[None, :]).ravel()).reshape(x.size, -1) @ shares
 
-    lo += float(shifts.min())
-    hi = max(hi + float(shifts.max()), lo + 1e-6)
-    if mixed(np.array([lo]))[0] <= tail:
-        return lo
-    while mixed(np.array([hi]))[0] > tail:
-        hi = lo + 2.0 * (hi - lo)
-    # The first grid point within the tail, refined on its cell: each pass narrows
-    # the bracket 64-fold, evaluating every class at every point at once.
-    for _ in range(_GRID_PASSES):
-        grid = np.linspace(lo, hi, _GRID_POINTS + 1)
-        first = int(np.argmax(mixed(grid) <= tail))
-        lo, hi = float(grid[max(first - 1, 0)]), float(grid[first])
-    return hi
+    return exceedance_quantile_on_grid(
+        mixed, lo + float(shifts.min()), hi + float(shifts.max()), tail
+    )
