@@ -123,6 +123,8 @@ _QS_COLS = [_QS_PREFILL_REQS, _QS_PREFILL_TOKENS, _QS_DECODE_REQS]
 # Columns whose trend is reported, in LoadEstimate order.
 _TREND_COLS = [_PREFILL_TOKENS, _DECODE_TOKENS, _QS_PREFILL_TOKENS, _QS_DECODE_REQS]
 FULL_BUDGET_FRACTION = 0.95
+# Columns of a stream's pending full pass (see _finished_in_full_passes).
+_PEND_TOKENS, _PEND_REQS, _PEND_VAR, _PEND_TIME = range(4)
 
 # Fields that need at least one fresh stream.
 _NEEDS_FRESH = frozenset(
@@ -221,8 +223,7 @@ class LoadEstimator:
         self._budget = np.zeros(cap)  # largest prefill_tokens + decode_requests seen
         self._prev_full = np.zeros(cap, dtype=bool)
         # The last full pass of each stream, until its next message tells which of its
-        # prompts went on: prompt tokens (computed + cached), requests, length
-        # variance, when received.
+        # prompts went on (_PEND_* columns; no requests: none pending).
         self._pending_full = np.zeros((cap, 4))
         self._outputs = OutputLengthEstimator()
         self.rejected: dict[str, int] = {}  # implausible messages by reason
@@ -485,16 +486,16 @@ class LoadEstimator:
         # before (their next message: their stream's first here).
         here = full & ~last
         pend = self._pending_full[streams]
-        waiting = (pend[:, 1] > 0) & (pend[:, 3] >= now - self.window_s)
-        tokens = np.r_[tokens_of[here], pend[waiting, 0]]
-        reqs = np.r_[requests[here], pend[waiting, 1]]
-        var = np.r_[variance[here], pend[waiting, 2]]
+        waiting = (pend[:, _PEND_REQS] > 0) & (pend[:, _PEND_TIME] >= now - self.window_s)
+        tokens = np.r_[tokens_of[here], pend[waiting, _PEND_TOKENS]]
+        reqs = np.r_[requests[here], pend[waiting, _PEND_REQS]]
+        var = np.r_[variance[here], pend[waiting, _PEND_VAR]]
         stream = np.r_[stream_of_row[here], np.flatnonzero(waiting)]
         nxt = np.r_[rows[1:][here[:-1]], starts[waiting]]
         # Each stream's last message waits when a full pass; the others are done.
         ends_full = last & full
         self._pending_full[streams] = 0.0
-        self._pending_full[streams[stream_of_row[ends_full]]] = np.c_[
+        self._pending_full[streams[stream_of_row[ends_full]]] = np.c_[  # _PEND_* order
             tokens_of[ends_full],
             requests[ends_full],
             variance[ends_full],
