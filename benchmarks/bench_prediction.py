@@ -7,7 +7,11 @@ starting at ``--start``), so an error in the queueing model shows apart from the
 planner's moves. Per 30 s window, as ``prediction_errors`` compares them: the
 median bias and error of the predicted mean and p99 TTFT and p99 ITL, and the
 pooled share of requests above their window's predicted p99 TTFT and ITL (1%
-when calibrated). Prints a table; writes ``bench_prediction.json``.
+when calibrated). Also the prompt tokens computed in a decode token's pass, on
+average (what delays the decodes): what the latency model puts it at (median over
+its predictions: a mean step's prompt tokens times the router's exposure) and what
+the simulated engines did (over the whole run). Prints a table; writes
+``bench_prediction.json``.
 
     PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_prediction.py
 """
@@ -22,6 +26,8 @@ import time
 from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -98,12 +104,19 @@ def run_one(job: tuple[str, float, int, int]) -> dict[str, object]:
     result = Fleet(traffic, policy, config).run()
     errors = prediction_errors(policy, result)
     held = [check.replicas for check in policy.checks]
+    beside = [check.prefill_tokens_per_decode for check in policy.checks]
+    finished = np.isfinite(result.requests.finish_s)
+    decode_tokens = float(np.maximum(np.asarray(result.requests.output)[finished] - 1, 0).sum())
     return {
         "run": run,
         "replicas": replicas or "planner",
         "replicas_median": float(statistics.median(held)) if held else 0.0,
         "wall_s": time.perf_counter() - began,
         **{key: errors.get(key, float("nan")) for key in KEYS},
+        "prefill_tokens_per_decode_predicted": float(statistics.median(beside)) if beside else 0.0,
+        "prefill_tokens_per_decode_simulated": (
+            result.prefill_tokens_beside_decodes / decode_tokens if decode_tokens else 0.0
+        ),
     }
 
 
@@ -122,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = pool.map(run_one, jobs)
     print(
         f"{'run':28} {'held':>7} {'TTFT mean':>9} {'TTFT p99':>8} {'(error)':>7} "
-        f"{'ITL p99':>8} {'(error)':>7} {'>TTFT':>6} {'>ITL':>6} {'windows':>7}"
+        f"{'ITL p99':>8} {'(error)':>7} {'>TTFT':>6} {'>ITL':>6} {'windows':>7} "
+        f"{'prompt tokens a decode sees: pred':>33} {'sim':>6}"
     )
     for row in rows:
         print(
@@ -130,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['median_bias_ttft_mean']:+9.1%} {row['median_bias_ttft_p99']:+8.1%} "
             f"{row['median_error_ttft_p99']:7.1%} {row['median_bias_itl_p99']:+8.1%} "
             f"{row['median_error_itl_p99']:7.1%} {row['share_above_predicted_ttft_p99']:6.1%} "
-            f"{row['share_above_predicted_itl_p99']:6.1%} {row['windows']:7.0f}"
+            f"{row['share_above_predicted_itl_p99']:6.1%} {row['windows']:7.0f} "
+            f"{row['prefill_tokens_per_decode_predicted']:33.1f} "
+            f"{row['prefill_tokens_per_decode_simulated']:6.1f}"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

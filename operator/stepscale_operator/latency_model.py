@@ -265,6 +265,11 @@ class LatencyPrediction:
     ttft_miss_share: float = 0.0
     # Mean prefill service time of a prompt that does not wait (its passes).
     prefill_service_ms: float = 0.0
+    # Prompt tokens computed in a decode token's pass, on average, as the long
+    # outputs' compound sum sees them: a mean step's prompt tokens scaled by the
+    # router's exposure (short outputs' chain takes every decode as exposed). A
+    # diagnostic: bench_prediction.py sets it against the simulated engines'.
+    prefill_tokens_per_decode: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -546,6 +551,7 @@ def predict_latency(
     chunks_mean = sum(n * p for n, _, p in prefills)
     f_p = sum(n * f * p for n, f, p in prefills) / max(chunks_mean, 1e-9)
     prefill_step_share = min(rate * chunks_mean * step, 1.0)
+    exposure = 1.0  # every decode sees the prompts unless the router's is measured
     variance_per_pass = prefill_step_share * (dispersion + service_cv2)
     itl_mean = step
     own_context = _own_context_shifts(load, f_d, lambda own: pass_time(pass_batch, 0.0, 0.0, own))
@@ -678,6 +684,7 @@ def predict_latency(
         unreachable_share=unreachable,
         ttft_miss_share=ttft_miss,
         prefill_service_ms=service * 1e3,
+        prefill_tokens_per_decode=rate * prompt * step * exposure,
     )
 
 

@@ -11,6 +11,7 @@ import pytest
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.latency_model import (
     EngineLimits,
+    LatencyPrediction,
     PerReplicaLoad,
     SloTargets,
     least_loaded_queue,
@@ -19,7 +20,7 @@ from stepscale_operator.latency_model import (
     replica_dispersion_at,
     smallest_replicas_within_slo,
 )
-from stepscale_operator.load_types import LoadEstimate
+from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, LoadEstimate
 from stepscale_operator.planner import (
     Planner,
     PlannerInputs,
@@ -1175,7 +1176,6 @@ def test_a_ttft_tail_that_only_vanishing_queues_meet_is_planned_by_its_misses() 
     # at 60 replicas (no queueing at all), but past 9 each replica saves fewer than
     # half a point of requests from missing it.
     from stepscale_operator.capacity_need import slo_within_reach
-    from stepscale_operator.latency_model import LatencyPrediction
 
     slo = SloTargets(ttft_ms=1000.0, itl_ms=40.0)
 
@@ -1336,6 +1336,28 @@ def test_prompts_piled_at_a_cap_set_the_ttft_quantile_at_their_own_length() -> N
     assert 0.95 * own < _p99_ttft_on_an_idle_replica(load) < 1.06 * own
     # What the measured means mend: the bins' centres alone.
     assert _p99_ttft_on_an_idle_replica(replace(load, prompt_bin_tokens=())) > 1.1 * own
+
+
+def test_the_prediction_reports_the_prompt_tokens_a_decode_sees() -> None:
+    # The prompt tokens computed in a decode token's pass: a mean step's, where every
+    # decode is exposed, scaled by the exposure where a balancing router spares some
+    # (the deficit measured over passes).
+    shares = (1.0 / len(OUTPUT_INTERVAL_BINS),) * len(OUTPUT_INTERVAL_BINS)
+    load = replace(load_of(20.0), output_interval_shares=shares)
+    spared = replace(load, prefill_pass_decode_deficit=2.0)
+
+    def predicted(estimate: LoadEstimate) -> LatencyPrediction:
+        per = PerReplicaLoad.from_estimate(estimate, 4)
+        return predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), 4)
+
+    every, some = predicted(load), predicted(spared)
+    per_s = PerReplicaLoad.from_estimate(load, 4).prefill_tokens_per_s
+    assert every.prefill_tokens_per_decode == pytest.approx(per_s * every.step_time_ms / 1e3)
+    exposure = prefill_exposure(2.0, some.decode_batch)
+    assert 0.0 < exposure < 1.0
+    assert some.prefill_tokens_per_decode == pytest.approx(
+        every.prefill_tokens_per_decode * exposure
+    )
 
 
 def test_prefill_exposure_gives_the_decode_tokens_that_prefill_passes_carry() -> None:

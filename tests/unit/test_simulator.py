@@ -122,6 +122,24 @@ def test_decodes_share_the_budget_with_prefill() -> None:
         assert s.sum_prefill_tokens + s.num_decode_requests <= 1024
 
 
+def test_the_engine_counts_the_prompt_tokens_beside_its_decodes() -> None:
+    # What bench_prediction.py sets against the latency model: over every pass, its
+    # decode requests times its prompt tokens, as its FPM messages report them.
+    prompts, outputs = [100, 3000, 200, 5000], [60, 2, 40, 3]
+    table = RequestTable.create(prompts, outputs)
+    engine = SimEngine("e", table, EngineLimits(max_num_batched_tokens=1024), QUIET, seed=1)
+    engine.emit_fpm = True
+    for rid in range(len(prompts)):
+        engine.add_request(rid)
+    end = engine.start_step(0.0)
+    while end is not None:
+        end = engine.start_step(engine.finish_step())
+    scheds = [m.scheduled_requests for _, m in engine.outbox]
+    beside = sum(s.num_decode_requests * s.sum_prefill_tokens for s in scheds)
+    assert beside > 0
+    assert engine.prefill_tokens_beside_decodes == beside
+
+
 def test_max_num_seqs_queues_the_rest() -> None:
     table, msgs = run_engine([200] * 5, [20] * 5, EngineLimits(max_num_seqs=2))
     for m in msgs:

@@ -129,6 +129,10 @@ class SimEngine:
         self._run_decode_kv0 = 0.0
 
         self.steps = 0
+        # Over every pass, its decode requests times the prompt tokens it computed:
+        # over the decode tokens, the prompt tokens a decode token's pass carried
+        # (what delays it; bench_prediction.py sets it against the latency model's).
+        self.prefill_tokens_beside_decodes = 0
         self.busy_s = 0.0
 
     # -- load seen by the router -------------------------------------------------
@@ -331,6 +335,8 @@ class SimEngine:
                     )
                     self._emit(ends[i], walls[i], sched, queued)
         self.steps += n_passes
+        if self._run_prefill:
+            self.prefill_tokens_beside_decodes += batch * sum(t for _, t in self._run_prefill)
         self.busy_s += end - self._run_start_s
         self._pass = start + n_passes
 

@@ -129,6 +129,7 @@ class SimResult:
     decisions: list[dict[str, object]]
     steps: int
     fpm_messages: int
+    prefill_tokens_beside_decodes: int = 0  # see SimEngine
 
 
 class Fleet:
@@ -386,6 +387,9 @@ class Fleet:
             decisions=self.decisions,
             steps=sum(r.engine.steps for r in self.replicas),
             fpm_messages=self.fpm_messages,
+            prefill_tokens_beside_decodes=sum(
+                r.engine.prefill_tokens_beside_decodes for r in self.replicas
+            ),
         )
 
     def _record_timeline(self, now: float) -> None:

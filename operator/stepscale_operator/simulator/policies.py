@@ -334,6 +334,7 @@ class PredictionCheck:
     itl_mean_ms: float
     ttft_ms: float
     itl_ms: float
+    prefill_tokens_per_decode: float = 0.0
 
 
 @dataclass
@@ -412,6 +413,7 @@ class PlannerDrivenPolicy:
                         pred.itl_mean_ms,
                         pred.ttft_ms,
                         pred.itl_ms,
+                        pred.prefill_tokens_per_decode,
                     )
                 )
         return decision.desired_replicas if decision.apply else decision.current_replicas
