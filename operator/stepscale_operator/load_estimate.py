@@ -409,8 +409,6 @@ class LoadEstimator:
         cols[:, _PREFILL_FINISHED] = np.maximum(n_pre - full, 0.0)
         cols[:, _DECODE_TOKENS] = n_dec
         cols[:, _DECODE_KV] = np.where(is_pass, s[:, SCHED_DECODE_KV], 0.0)
-        cols[:, _PROMPT_TOKENS_FINAL] = np.where(final, c + k, 0.0)
-        cols[:, _PROMPT_REQS_FINAL] = np.where(final, n_pre, 0.0)
         cols[:, _PROMPT_TOKENS_ALL] = np.where(has_prefill, c + k, 0.0)
         cols[:, _PROMPT_REQS_ALL] = np.where(has_prefill, n_pre, 0.0)
         cols[:, _DECODE_WALL_S] = n_dec * cols[:, _BUSY_S]
@@ -441,8 +439,6 @@ class LoadEstimator:
             streams, starts, stream_of_row, full, c, k, n_pre, var, now
         )
         _add_prompt_lengths(per_stream, in_full)
-        np.add.at(per_stream[:, _PROMPT_TOKENS_FINAL], in_full.stream, in_full.tokens)
-        np.add.at(per_stream[:, _PROMPT_REQS_FINAL], in_full.stream, in_full.requests)
 
         bucket = int(math.floor(now / self.bucket_s))
         pos = bucket % self._ring_len
@@ -752,7 +748,8 @@ class _FinishedPrompts:
 
 def _add_prompt_lengths(per_stream: FloatArray, finished: _FinishedPrompts) -> None:
     """Histogram the full prompt lengths of ``finished``, and sum their tokens per
-    bin (the bin's mean length), into the row of ``per_stream`` of their stream.
+    bin (the bin's mean length), into the row of ``per_stream`` of their stream;
+    also their count and tokens (the mean prompt length).
 
     A pass reports the mean and variance of its requests' lengths, not each one:
     with several, half go one standard deviation either side of the mean (the
@@ -761,6 +758,8 @@ def _add_prompt_lengths(per_stream: FloatArray, finished: _FinishedPrompts) -> N
     if finished.stream.size == 0:
         return
     n = finished.requests
+    np.add.at(per_stream[:, _PROMPT_REQS_FINAL], finished.stream, n)
+    np.add.at(per_stream[:, _PROMPT_TOKENS_FINAL], finished.stream, finished.tokens)
     mean = finished.tokens / n
     spread = np.where(n > 1, np.sqrt(np.maximum(finished.variance, 0.0)), 0.0)
     edges = np.asarray(PROMPT_BIN_EDGES)
