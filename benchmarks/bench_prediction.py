@@ -13,6 +13,13 @@ its predictions: a mean step's prompt tokens times the router's exposure) and wh
 the simulated engines did (over the whole run). Prints a table; writes
 ``bench_prediction.json``.
 
+``--across scenario@6,8,12,16`` holds the fleet at each of those counts and has
+the model also predict, from the load measured there, the p99 ITL at each of the
+other counts: what the planner asks when it weighs a scale-up or a scale-down.
+The matrix printed is the median, over 30 s windows of at least 30 requests, of
+the predicted p99 ITL at ``n`` (load measured at ``n0``) over the simulated p99
+ITL of the same window on the fleet held at ``n``.
+
     PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_prediction.py
 """
 
@@ -20,10 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -33,14 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_policies as bp  # noqa: E402
 
+from stepscale_operator.latency_model import PerReplicaLoad, predict_latency  # noqa: E402
 from stepscale_operator.simulator import readme_scenarios as readme  # noqa: E402
-from stepscale_operator.simulator.fleet import Fleet, FleetView  # noqa: E402
+from stepscale_operator.simulator.fleet import Fleet, FleetView, SimResult  # noqa: E402
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B  # noqa: E402
 from stepscale_operator.simulator.policies import (  # noqa: E402
     PlannerDrivenPolicy,
     ScalingSetup,
     prediction_errors,
 )
+from stepscale_operator.simulator.report import request_latencies  # noqa: E402
 from stepscale_operator.simulator.traffic import Traffic, load_azure_csv  # noqa: E402
 
 DEFAULT_RUNS = (
@@ -66,11 +76,25 @@ class HeldFleetPolicy(PlannerDrivenPolicy):
     """Ours, predicting as always, but held at ``replicas`` (0: the planner's choice)."""
 
     replicas: int = 0
+    # Counts to predict the p99 ITL at as well, from the same load (``--across``).
+    across: tuple[int, ...] = ()
+    predicted_across: list[tuple[float, dict[int, float]]] = field(default_factory=list)
 
     def desired(self, view: FleetView) -> int:
         """The planner's decision is made (and its prediction recorded); the fleet
         keeps ``replicas`` when set."""
+        checks = len(self.checks)
         decided = super().desired(view)
+        if self.across and len(self.checks) > checks:  # a prediction was recorded now
+            load = self.model.estimate(view.now)
+            at: dict[int, float] = {}
+            for n in self.across:
+                per = PerReplicaLoad.from_estimate(load, n)
+                pred = predict_latency(
+                    self.model.cost_model, per, self.setup.limits, self.planner.policy, n
+                )
+                at[n] = pred.itl_ms if pred.feasible else math.inf
+            self.predicted_across.append((view.now, at))
         return self.replicas if self.replicas > 0 else decided
 
 
@@ -92,13 +116,13 @@ def scenario_traffic(name: str, duration_s: float, seed: int) -> tuple[Traffic, 
     raise ValueError(f"unknown scenario {name!r}")
 
 
-def run_one(job: tuple[str, float, int, int]) -> dict[str, object]:
+def run_one(job: tuple[str, float, int, int, tuple[int, ...]]) -> dict[str, object]:
     """One ``scenario@n`` run: its prediction errors and wall time."""
-    run, duration_s, start, seed = job
+    run, duration_s, start, seed, across = job
     name, _, count = run.partition("@")
     replicas = int(count or 0)
     traffic, setup = scenario_traffic(name, duration_s, seed)
-    policy = HeldFleetPolicy(setup=setup, replicas=replicas)
+    policy = HeldFleetPolicy(setup=setup, replicas=replicas, across=across)
     began = time.perf_counter()
     config = setup.fleet_config(H100_LLAMA_8B, replicas or start, seed)
     result = Fleet(traffic, policy, config).run()
@@ -117,7 +141,47 @@ def run_one(job: tuple[str, float, int, int]) -> dict[str, object]:
         "prefill_tokens_per_decode_simulated": (
             result.prefill_tokens_beside_decodes / decode_tokens if decode_tokens else 0.0
         ),
+        "itl_p99_across": [
+            (t, {str(n): v for n, v in at.items()}) for t, at in policy.predicted_across
+        ],
+        "window_itl_p99": window_itl_p99(result, [t for t, _ in policy.predicted_across]),
     }
+
+
+def window_itl_p99(
+    result: SimResult, times: list[float], window_s: float = 30.0
+) -> dict[str, float]:
+    """The simulated p99 ITL of the requests that arrived in the window before each
+    time (keyed by the time, as text), where at least 30 did."""
+    itl = request_latencies(result).itl_ms
+    arrival = result.traffic.arrival_s
+    out: dict[str, float] = {}
+    for t in times:
+        lo, hi = np.searchsorted(arrival, [t - window_s, t])
+        seen = itl[lo:hi]
+        seen = seen[np.isfinite(seen) & (seen > 0)]
+        if seen.size >= 30:
+            out[f"{t:.1f}"] = float(np.percentile(seen, 99))
+    return out
+
+
+def across_matrix(rows: list[dict[str, object]]) -> dict[str, dict[str, float]]:
+    """``{n0: {n: median ratio}}``: the p99 ITL predicted at ``n`` from the load
+    measured at ``n0``, over the one simulated at ``n`` in the same window."""
+    simulated = {str(row["replicas"]): row["window_itl_p99"] for row in rows}
+    matrix: dict[str, dict[str, float]] = {}
+    for row in rows:
+        cells: dict[str, float] = {}
+        for n, sim in simulated.items():
+            assert isinstance(sim, dict)
+            ratios = [
+                at[n] / sim[f"{t:.1f}"]
+                for t, at in row["itl_p99_across"]  # type: ignore[attr-defined]
+                if f"{t:.1f}" in sim and n in at
+            ]
+            cells[n] = float(statistics.median(ratios)) if ratios else math.nan
+        matrix[str(row["replicas"])] = cells
+    return matrix
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,8 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=str(bp.REPO / "results"))
+    parser.add_argument(
+        "--across",
+        default="",
+        help="scenario@n1,n2,...: hold each count and predict at the others (replaces --runs)",
+    )
     args = parser.parse_args(argv)
-    jobs = [(run, args.duration_s, args.start, args.seed) for run in args.runs.split(",") if run]
+    across: tuple[int, ...] = ()
+    runs = [run for run in args.runs.split(",") if run]
+    if args.across:
+        scenario, _, counts = args.across.partition("@")
+        across = tuple(int(n) for n in counts.split(",") if n)
+        if len(across) < 2 or min(across) <= 0:
+            parser.error("--across needs a scenario and two or more counts above 0")
+        runs = [f"{scenario}@{n}" for n in across]
+    jobs = [(run, args.duration_s, args.start, args.seed, across) for run in runs]
     with Pool(args.workers) as pool:
         rows = pool.map(run_one, jobs)
     print(
@@ -148,11 +225,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['prefill_tokens_per_decode_predicted']:33.1f} "
             f"{row['prefill_tokens_per_decode_simulated']:6.1f}"
         )
+    report: dict[str, object] = {"args": vars(args), "runs": rows}
+    if across:
+        matrix = across_matrix(rows)
+        report["itl_p99_across_ratio"] = matrix
+        print(
+            f"\n{args.across.partition('@')[0]}: median over 30 s windows of the p99 ITL "
+            "predicted at n (load measured at n0) over the simulated at n"
+        )
+        print("n0 \\ n " + "".join(f"{n:>8}" for n in across))
+        for n0 in across:
+            print(f"{n0:>7} " + "".join(f"{matrix[str(n0)][str(n)]:8.2f}" for n in across))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_prediction.json").write_text(
-        json.dumps({"args": vars(args), "runs": rows}, indent=1)
-    )
+    (out / "bench_prediction.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'bench_prediction.json'}")
     return 0
 
