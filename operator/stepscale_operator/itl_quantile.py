@@ -33,7 +33,7 @@ variance counted chunks, not the prompts they come in); the compound sum puts it
 within 1%. A balancing router sends each prompt to the replica with the fewest
 requests, so on a roomy fleet fewer requests see a prefill than a uniform spread
 implies: the caller scales the prompts per pass by the exposure it measures (see
-:func:`~stepscale_operator.latency_model.prefill_exposure`); without it, heavy-tailed
+:func:`~stepscale_operator.router_pick.prefill_exposure_at`); without it, heavy-tailed
 prompts on a roomy fleet put the p99 up to 27% high.
 
 A request's passes also read its own KV. Over a large batch one request's context

@@ -17,7 +17,10 @@ Per replica, with the load spread evenly by the router:
 * ITL is the mean step time, with a tail for short requests that happen to share
   many steps with prefills (binomial count of prefill steps over ``k`` tokens),
   mixed over prompt lengths: each request's passes also read its own KV, which
-  over small batches of long prompts sets the tail (see ``itl_quantile``).
+  over small batches of long prompts sets the tail (see ``itl_quantile``). A
+  prefill delays only the decodes on the replica the router sends it to: the
+  exposure, measured at the serving count and carried to the count asked about
+  (see ``router_pick``).
 * TTFT is the prefill service time plus the wait behind other prompts plus the
   residual of the step in progress. A prompt that lands on a replica prefilling
   waits out the prefill in progress and the prompts queued there ahead of it;
@@ -44,8 +47,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.itl_quantile import (
     PassTimes,
@@ -56,6 +57,11 @@ from stepscale_operator.itl_quantile import (
 )
 from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, LoadEstimate, bin_tokens_or_centres
 from stepscale_operator.quantile_search import exceedance_quantile
+from stepscale_operator.router_pick import (
+    RouterPick,
+    least_loaded_queue,
+    prefill_exposure_at,
+)
 
 
 class LatencySettings(Protocol):
@@ -94,8 +100,6 @@ class LatencySettings(Protocol):
 
 # Step times beyond this are "the engine cannot keep up", not a latency.
 _DIVERGED_STEP_S = 30.0
-# Deepest prompt queue counted behind one replica's prefill (the tail is geometric).
-_MAX_QUEUE_DEPTH = 64
 _FIXED_POINT_ITERATIONS = 60
 _FIXED_POINT_TOLERANCE = 1e-4
 
@@ -146,6 +150,9 @@ class PerReplicaLoad:
     output_intervals: tuple[tuple[int, int, float], ...] = ()
     # Decode requests a prefill pass carries fewer than the mean pass (0: none known).
     prefill_pass_decode_deficit: float = 0.0
+    # Replicas serving when the estimate was measured (0: unknown); the deficit and
+    # the replica dispersion are carried from there to other counts.
+    measured_replicas: int = 0
 
     @classmethod
     def from_estimate(cls, load: LoadEstimate, replicas: int) -> PerReplicaLoad:
@@ -171,6 +178,7 @@ class PerReplicaLoad:
                 n,
             ),
             prefill_pass_decode_deficit=max(load.prefill_pass_decode_deficit, 0.0),
+            measured_replicas=max(load.streams_total - load.streams_missing, 0),
             output_intervals=tuple(
                 (first, last, share)
                 for (first, last), share in zip(
@@ -199,27 +207,6 @@ def replica_dispersion_at(
         return measured
     moved = measured + (fleet - 1.0) * (1.0 / n - 1.0 / measured_replicas)
     return max(moved, fleet / n)
-
-
-def prefill_exposure(deficit: float, batch: float) -> float:
-    """The decode requests a prefill pass delays, relative to the mean decode batch
-    over time (``batch``): 1 when prompts land anywhere; less when the router sends
-    them to replicas with ``deficit`` fewer decode requests than the mean pass
-    carries (0: none measured, taken as 1).
-
-    A pass runs only while the replica holds a request, so the mean *pass* carries
-    at least one decode request (the deficit is measured over passes): a prefill
-    pass carries ``max(batch, 1) - deficit``. The latency model counts the prompts
-    that reach a request over time (per unit time, scaled to a pass by the mean
-    step), so that is set against the batch over time, idle time included: over
-    batches below one, a prefill pass can carry more decodes than the replica holds
-    on average. Taken against the batch of a pass instead, long-context traffic on 8
-    replicas (0.6 decodes each) put the share of decode tokens in prefill passes at
-    a third of what its passes measured, and the p99 ITL 23% low.
-    """
-    if deficit <= 0.0 or batch <= 0.0:  # unmeasured, or no decodes to delay
-        return 1.0
-    return max(max(batch, 1.0) - deficit, 0.0) / batch
 
 
 def prompt_distribution(
@@ -339,69 +326,6 @@ def _queued_prompt_cost(
     if length >= room:
         return chunks * chunk_pass_s
     return min(length / room * full_pass_s, chunks * chunk_pass_s)
-
-
-@dataclass(frozen=True)
-class RouterPick:
-    """What a new prompt finds on the replica the router sends it to."""
-
-    prefilling: float  # chance a prompt is prefilling there
-    queued: float  # mean prompts queued there beyond the one in progress
-
-    @classmethod
-    def at_random(cls, busy: float, queued_per_busy: float) -> RouterPick:
-        """A replica picked whatever it holds: busy with chance ``busy``, and then
-        ``queued_per_busy`` prompts queued on average."""
-        return cls(busy, busy * queued_per_busy)
-
-
-def least_loaded_queue(
-    replicas: int, batch: float, busy: float, queued_per_busy: float
-) -> RouterPick:
-    """What a least-outstanding router's pick holds of prompts.
-
-    A replica holds its decode requests, Poisson with mean ``batch`` (the count of
-    an infinite-server queue), plus its prompts: none with chance ``1 - busy``,
-    else one in progress and a geometric number queued behind it, of mean
-    ``queued_per_busy``. A real balancing router keeps the totals far tighter
-    (variance 0.3-0.5 in the simulator) and a replica starts prefilling just when
-    an arrival raises its total; counted there, the chance of a prefill is 12-25%
-    high over large batches and 1.5-14x low over batches of about one (see the
-    README). The router picks the replica holding the fewest (ties at random), so
-    over large decode batches a prefill is lost in the batches' spread and the pick
-    is a random replica's; over small ones, or with empty replicas, a replica with
-    prompts, and more so one with a queue, is rarely the least loaded. One
-    replica: it is picked whatever it holds.
-    """
-    busy = min(max(busy, 0.0), 1.0)
-    queued_per_busy = max(queued_per_busy, 0.0)
-    if replicas <= 1 or busy in (0.0, 1.0):
-        return RouterPick.at_random(busy, queued_per_busy)
-    batch = max(batch, 0.0)
-    # Prompts held: 0, then 1, 2, ... with a geometric tail (ratio ``sigma``).
-    sigma = queued_per_busy / (1.0 + queued_per_busy)
-    depth = 1
-    if sigma > 0.0:
-        depth = max(1, min(_MAX_QUEUE_DEPTH, int(math.log(1e-9) / math.log(sigma)) + 1))
-    q = np.arange(depth + 1)
-    prompts = np.where(q == 0, 1.0 - busy, busy * (1.0 - sigma) * sigma ** np.maximum(q - 1, 0))
-    spread = 12.0 * math.sqrt(batch) + 20.0
-    low, high = max(0, int(batch - spread)), int(batch + spread) + 1
-    k = np.arange(low, high + 1)
-    if batch == 0.0:
-        decodes = (k == 0).astype(float)
-    else:
-        log_factorial = math.lgamma(low + 1) + np.concatenate(([0.0], np.cumsum(np.log(k[1:]))))
-        decodes = np.exp(k * math.log(batch) - batch - log_factorial)
-    # Index i of each: a replica holding low + i requests in all, decodes and prompts.
-    held = np.convolve(decodes, prompts)
-    prefilling = np.convolve(decodes, np.where(q >= 1, prompts, 0.0))
-    queued = np.convolve(decodes, np.maximum(q - 1, 0) * prompts)
-    beyond = np.concatenate([np.cumsum(held[::-1])[::-1], [0.0]])  # P(holds >= low + i)
-    fewest_here = beyond[:-1] ** replicas - beyond[1:] ** replicas
-    ok = held > 0.0
-    share = np.where(ok, fewest_here / np.where(ok, held, 1.0), 0.0)
-    return RouterPick(min(float((share * prefilling).sum()), 1.0), float((share * queued).sum()))
 
 
 def no_replicas_prediction() -> LatencyPrediction:
@@ -545,54 +469,6 @@ def predict_latency(
     else:
         service_cv2 = policy.service_cv2
     dispersion = load.arrival_dispersion if load.arrival_dispersion > 0.0 else 1.0
-    # ITL: mean step, plus the spread of a short request's mean: the prompts that
-    # arrive during its life are a compound count (dispersion of the arrivals,
-    # variability of their sizes).
-    chunks_mean = sum(n * p for n, _, p in prefills)
-    f_p = sum(n * f * p for n, f, p in prefills) / max(chunks_mean, 1e-9)
-    prefill_step_share = min(rate * chunks_mean * step, 1.0)
-    exposure = 1.0  # every decode sees the prompts unless the router's is measured
-    variance_per_pass = prefill_step_share * (dispersion + service_cv2)
-    itl_mean = step
-    own_context = _own_context_shifts(load, f_d, lambda own: pass_time(pass_batch, 0.0, 0.0, own))
-    if load.output_intervals:
-        # Long outputs see the prompts that arrive while they decode, less those a
-        # balancing router sends to replicas with fewer requests (the measured
-        # deficit): the mean count scaled by the exposure. Some requests still see
-        # a long prompt and others none, so the count's variance is kept (a gamma mix
-        # of Poisson rates; in the bench it differs little from scaling both: bursty
-        # code's ITL error 35.9% -> 28.6%, silence-burst's bias +2.8% -> +7.3%).
-        # A thinned count (dispersion 1 + e (D - 1)) was tried again with the own
-        # context below: long context's p99 ITL bias -37.6% -> -22.5%, but bursty
-        # code's fleet shrank 6% and its attainment fell 99.31% -> 98.89%.
-        # Short outputs keep the chain: scaled there too, bursty code's p99 came out
-        # at 0.66 of the simulated.
-        exposure = prefill_exposure(load.prefill_pass_decode_deficit, batch)
-        # Measured output lengths: the quantile over them (short outputs set it).
-        itl_q = itl_quantile(
-            PassTimes(f_d, f_p, step),
-            PrefillPassChain.of(prefill_step_share, variance_per_pass),
-            load.output_intervals,
-            variance_per_pass,
-            q_tail,
-            PromptMix(
-                rate * step * exposure,
-                # The same variance; where the exposure exceeds the dispersion
-                # (batches below one) PromptMix keeps it at least Poisson's.
-                dispersion / max(exposure, 1e-3),
-                tuple((n, f - f_d, p) for n, f, p in prefills),
-            ),
-            # Decode tokens per prompt: the mean count of intervals.
-            load.decode_tokens_per_s / rate if rate > 0.0 else 0.0,
-            own_context,
-        )
-    else:
-        # The prior: one request of a share of the mean output stands for the tail.
-        mean_output = load.decode_tokens_per_s / rate if rate > 0.0 else 1.0
-        tail_tokens = max(mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens)
-        sd = max(f_p - f_d, 0.0) * math.sqrt(variance_per_pass / tail_tokens)
-        itl_q = normal_itl_quantile(step, sd, own_context, q_tail)
-
     # TTFT: G/G/1 on the prefill server (Kingman), exponential tail for the quantile.
     # ``rho``: the share of time a replica spends on some prompt's prefill passes.
     # The engine serves its queue by tokens, not one prompt at a time: prompts that
@@ -637,9 +513,68 @@ def predict_latency(
     queued_per_busy = rho_tokens * (arrival_cv2 + service_cv2) / (2.0 * (1.0 - rho_tokens))
     if policy.balanced_routing:
         clump = max(dispersion - 1.0, 0.0) * min(service, 1.0) / max(replicas, 1)
-        pick = least_loaded_queue(replicas, batch, min(rho + clump, 1.0), queued_per_busy)
+        busy = min(rho + clump, 1.0)
+        pick = least_loaded_queue(replicas, batch, busy, queued_per_busy)
     else:
-        pick = RouterPick.at_random(min(rho, 1.0), queued_per_busy)
+        busy = min(rho, 1.0)
+        pick = RouterPick.at_random(busy, queued_per_busy, batch)
+    # ITL: mean step, plus the spread of a short request's mean: the prompts that
+    # arrive during its life are a compound count (dispersion of the arrivals,
+    # variability of their sizes).
+    chunks_mean = sum(n * p for n, _, p in prefills)
+    f_p = sum(n * f * p for n, f, p in prefills) / max(chunks_mean, 1e-9)
+    prefill_step_share = min(rate * chunks_mean * step, 1.0)
+    exposure = 1.0  # every decode sees the prompts unless the router's is measured
+    variance_per_pass = prefill_step_share * (dispersion + service_cv2)
+    itl_mean = step
+    own_context = _own_context_shifts(load, f_d, lambda own: pass_time(pass_batch, 0.0, 0.0, own))
+    if load.output_intervals:
+        # Long outputs see the prompts that arrive while they decode, less those a
+        # balancing router sends to replicas with fewer requests (the measured
+        # deficit): the mean count scaled by the exposure. Some requests still see
+        # a long prompt and others none, so the count's variance is kept (a gamma mix
+        # of Poisson rates; in the bench it differs little from scaling both: bursty
+        # code's ITL error 35.9% -> 28.6%, silence-burst's bias +2.8% -> +7.3%).
+        # A thinned count (dispersion 1 + e (D - 1)) was tried again with the own
+        # context below: long context's p99 ITL bias -37.6% -> -22.5%, but bursty
+        # code's fleet shrank 6% and its attainment fell 99.31% -> 98.89%.
+        # Short outputs keep the chain: scaled there too, bursty code's p99 came out
+        # at 0.66 of the simulated.
+        # Measured at one count, carried to this one (see router_pick).
+        exposure = prefill_exposure_at(
+            load.prefill_pass_decode_deficit,
+            load.measured_replicas,
+            replicas,
+            batch,
+            busy,
+            queued_per_busy,
+            policy.balanced_routing,
+        )
+        # Measured output lengths: the quantile over them (short outputs set it).
+        itl_q = itl_quantile(
+            PassTimes(f_d, f_p, step),
+            PrefillPassChain.of(prefill_step_share, variance_per_pass),
+            load.output_intervals,
+            variance_per_pass,
+            q_tail,
+            PromptMix(
+                rate * step * exposure,
+                # The same variance; where the exposure exceeds the dispersion
+                # (batches below one) PromptMix keeps it at least Poisson's.
+                dispersion / max(exposure, 1e-3),
+                tuple((n, f - f_d, p) for n, f, p in prefills),
+            ),
+            # Decode tokens per prompt: the mean count of intervals.
+            load.decode_tokens_per_s / rate if rate > 0.0 else 0.0,
+            own_context,
+        )
+    else:
+        # The prior: one request of a share of the mean output stands for the tail.
+        mean_output = load.decode_tokens_per_s / rate if rate > 0.0 else 1.0
+        tail_tokens = max(mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens)
+        sd = max(f_p - f_d, 0.0) * math.sqrt(variance_per_pass / tail_tokens)
+        itl_q = normal_itl_quantile(step, sd, own_context, q_tail)
+
     p_wait = pick.prefilling
     wait_mean = p_wait * residual + pick.queued * admitted_mean
     ttft_mean = wait_mean + service + f_d / 2.0

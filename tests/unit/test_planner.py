@@ -14,9 +14,7 @@ from stepscale_operator.latency_model import (
     LatencyPrediction,
     PerReplicaLoad,
     SloTargets,
-    least_loaded_queue,
     predict_latency,
-    prefill_exposure,
     replica_dispersion_at,
     smallest_replicas_within_slo,
 )
@@ -28,6 +26,7 @@ from stepscale_operator.planner import (
     ReplicaCounts,
     forecast_load,
 )
+from stepscale_operator.router_pick import least_loaded_queue, prefill_exposure
 
 FLOOR_S = 0.006
 PER_PREFILL_TOKEN_S = 30e-6
