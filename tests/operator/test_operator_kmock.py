@@ -144,8 +144,13 @@ async def test_model_fits_scales_up_and_down_then_holds_on_stale(api, cluster: F
     cluster.load.decode_tokens_per_s = LOW_DEMAND
     async with operator_running(api) as op, cluster.following("chat"):
         await create(api, vd_path(), vd_body("chat"))
+        # Ready, and scored: the prequential MAPE counts passes predicted after the
+        # model became ready, so a round that ingests the passes that made it ready
+        # in one batch (a loaded machine) shows it ready with no MAPE yet.
         await eventually(
-            lambda: status_of(api, "chat").get("costModel", {}).get("ready"), what="model ready"
+            lambda: status_of(api, "chat").get("costModel", {}).get("ready")
+            and status_of(api, "chat")["costModel"].get("mape") is not None,
+            what="model ready and scored",
         )
         cm = status_of(api, "chat")["costModel"]
         coef = {c["name"]: c["value"] for c in cm["coefficients"]}
