@@ -533,6 +533,27 @@ def test_arrival_dispersion_tells_bursts_from_steady_arrivals() -> None:
     assert bursty > 5.0
 
 
+def test_a_fleet_younger_than_the_window_is_no_burst_to_its_dispersion() -> None:
+    # An operator (or a deployment) that started 8 s ago: steady arrivals of 4 a
+    # second. The 22 s of the window before its first message were not observed; read
+    # as seconds without arrivals they made the bursts scenario's steady 40 req/s a
+    # dispersion of 36 at the first decision, which sized the fleet for a burst.
+    est = LoadEstimator(window_s=30.0)
+    budget = ScheduledRequestMetrics(num_prefill_requests=1, sum_prefill_tokens=131_072)
+    est.observe(_msg(0, budget), 0.01)
+    counter = 0
+    for s in range(8):
+        for i in range(4):
+            counter += 1
+            est.observe(_one_prompt_pass(counter, 800), s + (i + 0.5) / 5)
+        counter += 1
+        est.observe(_msg(counter, DECODE), s + 0.999)
+    load = est.estimate(8.0)
+    assert load.arrival_dispersion == pytest.approx(0.0, abs=0.05)
+    # The rate is the same span's: 4 a second, not 32 spread over 30 s.
+    assert load.prefill_requests_per_s == pytest.approx(4.0, rel=0.15)
+
+
 def _replica_arrivals(
     per_stream: dict[str, list[int]], start: dict[str, int] | None = None
 ) -> LoadEstimate:
