@@ -562,7 +562,12 @@ class LoadEstimator:
             unavailable |= _TREND_FIELDS
             found = (np.zeros(len(_TREND_COLS)), 0.0, 0.0)
         trends, prefill_queue_change, recent_demand = found
-        shapes = self._shapes(ids, in_window, sums, bucket, self._observed_from(fresh, oldest))
+        # The window's buckets before the fleet's first message were not observed,
+        # which is no silence: counted as buckets without arrivals, an operator that
+        # started 5 s ago read the bursts scenario's steady 40 req/s as a dispersion
+        # of 36 and sized for a burst. The same span as the rates' (``fleet_span``).
+        observed_from = max(int(math.floor((now - fleet_span) / self.bucket_s)) - oldest, 0)
+        shapes = self._shapes(ids, in_window, sums, bucket, observed_from)
         if shapes is None:
             unavailable |= {"prompt_histogram", "prompt_bin_tokens"}
             unavailable |= {"arrival_dispersion", "replica_arrival_dispersion"}
@@ -616,27 +621,13 @@ class LoadEstimator:
             unavailable=frozenset(unavailable),
         )
 
-    def _observed_from(self, fresh: npt.NDArray[np.int64], oldest: int) -> int:
-        """How many of the window's oldest buckets came before the fleet's first
-        message (0 once the fleet is older than the window).
-
-        Nothing was observed there, which is no silence: counted as buckets without
-        arrivals, an operator that started 5 s ago read the bursts scenario's steady
-        40 req/s as a dispersion of 36 and sized for a burst. The fleet's rates count
-        the same span (``fleet_span``).
-        """
-        if fresh.size == 0:
-            return 0
-        first = float(np.nanmin(self._first_seen[fresh]))
-        return max(int(math.floor(first / self.bucket_s)) - oldest, 0)
-
     def _shapes(
         self,
         ids: npt.NDArray[np.int64],
         in_window: npt.NDArray[np.bool_],
         sums: FloatArray,
         bucket: int,
-        observed_from: int = 0,
+        observed_from: int,
     ) -> _Shapes | None:
         """Prompt-length histogram and tokens per bin, dispersion of arrivals per
         second (over the buckets from ``observed_from`` on, oldest first), and the
