@@ -667,11 +667,14 @@ def test_each_pass_is_predicted_on_its_larger_side(h100_model: CostModel) -> Non
     big = sched_matrix([ScheduledRequestMetrics(1, 2048, 0.0, 0, 16, 16000, 0.0)])
     base_small = coef["intercept"] + 4 * coef["decode_requests"]
     memory_small = coef["memory.intercept"] + 4000 * coef["memory.kv_read_tokens"]
-    assert h100_model.predict_many(small)[0] == pytest.approx(base_small + memory_small)
+    # The fit alone: the recent offsets (tested on their own) scale what it says.
+    fit = h100_model.predict_many(small, recent_offsets=False)[0]
+    assert fit == pytest.approx(base_small + memory_small)
     compute_big = (
         2064 * coef["compute.tokens"]
         + (2048**2 / 2) * coef["compute.prefill_attention"]
         + 16000 * coef["compute.decode_kv_tokens"]
     )
     base_big = coef["intercept"] + coef["prefill_requests"] + 16 * coef["decode_requests"]
-    assert h100_model.predict_many(big)[0] == pytest.approx(base_big + compute_big)
+    fit = h100_model.predict_many(big, recent_offsets=False)[0]
+    assert fit == pytest.approx(base_big + compute_big)

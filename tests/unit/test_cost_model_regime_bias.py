@@ -18,6 +18,7 @@ import pytest
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.cost_model import CostModel, sched_matrix
+from stepscale_operator.cost_model.recent_offsets import RecentOffsets
 from stepscale_operator.cost_model.regime_residuals import (
     BUCKET_CELLS,
     CELLS,
@@ -81,11 +82,15 @@ def test_median_signed_error_per_regime_after_a_prefill_change(
 def test_without_the_staleness_test_the_prefill_regime_stays_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The same stream with no bucket ever stale: the test above can fail."""
+    """The same stream with no bucket ever stale: the test above can fail. (The
+    recent offsets are held at zero too: within their clip they would hide it.)"""
     monkeypatch.setattr(
         RegimeResiduals,
         "stale_buckets",
         lambda self, tolerance: np.zeros(BUCKET_CELLS.shape[0], dtype=bool),
+    )
+    monkeypatch.setattr(
+        RecentOffsets, "apply", lambda self, cells, log_res, informative: np.zeros(cells.shape)
     )
     sched, wall = _stream(0.5, 0)
     preds = _prequential(CostModel(), sched, wall)

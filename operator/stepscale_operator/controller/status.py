@@ -101,6 +101,10 @@ def condition(
     return cond
 
 
+# The cost model's regime cells as status spells them.
+_RECENT_FACTOR_NAMES = {"small_decode": "smallDecode"}
+
+
 def cost_model_status(snapshot: Mapping[str, Any]) -> dict[str, Any]:
     """``status.costModel`` from :meth:`CostModel.to_dict`, which is kept as the checkpoint."""
     quality = snapshot.get("quality") or {}
@@ -138,6 +142,11 @@ def cost_model_status(snapshot: Mapping[str, Any]) -> dict[str, Any]:
         "quarantinedStreams": {
             str(k): round(float(v), 4)
             for k, v in (quality.get("quarantined") or {}).items()
+            if isinstance(v, int | float) and math.isfinite(v)
+        },
+        "recentFactors": {
+            _RECENT_FACTOR_NAMES.get(str(k), str(k)): round(float(v), 4)
+            for k, v in (quality.get("recent_factors") or {}).items()
             if isinstance(v, int | float) and math.isfinite(v)
         },
         "updatedAt": rfc3339(float(updated)) if isinstance(updated, int | float) else None,

@@ -11,7 +11,10 @@ A pass goes through, top to bottom (:meth:`CostModel._learn_rows`):
 4. the regression (:mod:`.regression`): sufficient statistics per coverage bucket,
    forgetting (faster for a regime the fit is off in: :mod:`.regime_residuals`),
    the roofline NNLS solve;
-5. prequential quality (:mod:`.quality`), per-regime and per-stream residuals.
+5. prequential quality (:mod:`.quality`), per-regime and per-stream residuals;
+6. the recent offsets (:mod:`.recent_offsets`): every prediction, the prequential
+   one and the planner's, is scaled by how far the fit has been off lately for
+   the machine and for the pass's regime.
 
 Snapshots and restores are :mod:`.snapshot`'s.
 """
@@ -48,6 +51,7 @@ from stepscale_operator.cost_model.features import (
     sched_matrix,
 )
 from stepscale_operator.cost_model.quality import ModelQuality, PrequentialWindow
+from stepscale_operator.cost_model.recent_offsets import RecentOffsets
 from stepscale_operator.cost_model.regime_residuals import RegimeResiduals, regime_cells
 from stepscale_operator.cost_model.regression import Regression
 from stepscale_operator.cost_model.snapshot import restore, snapshot
@@ -95,6 +99,9 @@ class CostModel:
         ridge: float = 1e-7,
         regime_window: int = 100,
         regime_min_residuals: int = 50,
+        offset_machine_window: int = 32,
+        offset_max_factor: float = 1.2,
+        offset_regime_window: int = 100,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if half_life_passes <= 0:
@@ -145,6 +152,14 @@ class CostModel:
         self._auto_counter = 0
         self.window = PrequentialWindow(quality_window)
         self.regime_residuals = RegimeResiduals(regime_window, regime_min_residuals)
+        self.offsets = RecentOffsets(
+            offset_machine_window,
+            offset_regime_window,
+            offset_max_factor,
+            # A stale regime's buckets forget at the drift half-life: within two of
+            # them the fit has moved, and older residuals would correct it twice.
+            max_age=int(2 * drift_half_life_passes),
+        )
 
         self.samples = 0
         self.regime_samples = dict.fromkeys(REGIMES, 0)
@@ -332,9 +347,17 @@ class CostModel:
         # became that fast, the centre moves and they are learned. Absurd input and
         # quarantined streams do not.
         informative = have_pred & ~bad_input & ~quarantined
+        # The prediction served (and scored) is the fit's scaled by the recent
+        # offsets, from the passes before each row. Whether a regime's buckets are
+        # stale is judged on what the offsets leave.
+        cells = regime_cells(sched)
+        offsets = self.offsets.apply(cells, log_res, informative)
+        pred = pred * np.exp(offsets)
         if informative.any():
             gate.push(log_res[informative])
-            self.regime_residuals.push(regime_cells(sched[informative]), log_res[informative])
+            self.regime_residuals.push(
+                cells[informative], log_res[informative] - offsets[informative]
+            )
         if ready:
             self.window.push(y[have_pred & learn], pred[have_pred & learn])
         self.ledger.tally(rel, log_res, have_pred & ~bad_input, learn, accepted, slot, records)
@@ -367,6 +390,7 @@ class CostModel:
         )
         self.gate = self.gate.emptied()
         self.regime_residuals = self.regime_residuals.emptied()
+        self.offsets = self.offsets.emptied()
         self.samples = 0
         self.regime_samples = dict.fromkeys(REGIMES, 0)
         for _, record in self.ledger.items():
@@ -465,12 +489,17 @@ class CostModel:
         """Predicted wall time (seconds) of a pass with this composition; NaN before any fit."""
         return float(self.predict_many(sched_matrix([sched]))[0])
 
-    def predict_many(self, sched: FloatArray) -> FloatArray:
-        """Predicted wall times for an (n, 7) composition matrix (hypothetical batches too)."""
+    def predict_many(self, sched: FloatArray, recent_offsets: bool = True) -> FloatArray:
+        """Predicted wall times for an (n, 7) composition matrix (hypothetical batches too):
+        the fit, scaled by the current recent offsets of each row's regime (the fit
+        alone, what :attr:`coefficients` say, with ``recent_offsets=False``)."""
         coef = self._current_coef()
         if coef is None:
             return np.full(sched.shape[0], np.nan)
-        return roofline((feature_matrix(sched) / SCALES) @ P_ALL.T, coef)
+        fit = roofline((feature_matrix(sched) / SCALES) @ P_ALL.T, coef)
+        if not recent_offsets:
+            return fit
+        return np.asarray(fit * np.exp(self.offsets.current(regime_cells(sched))))
 
     @property
     def coefficients(self) -> dict[str, float]:
@@ -519,6 +548,7 @@ class CostModel:
             implausible_rejected=dict(self.plausibility.rejected),
             median_signed_error=e.median_signed_error,
             quarantined=self.ledger.quarantined(),
+            recent_factors=self.offsets.factors(),
         )
 
     def formula(self) -> str:

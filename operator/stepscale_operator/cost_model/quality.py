@@ -44,6 +44,9 @@ class ModelQuality:
     implausible_rejected: dict[str, int] = field(default_factory=dict)  # by reason
     median_signed_error: float = math.nan  # median of (predicted - actual) / actual
     quarantined: dict[str, float] = field(default_factory=dict)  # stream -> its relative error
+    # Factors every prediction is scaled by now: the machine's and each regime's
+    # (:class:`~.recent_offsets.RecentOffsets`).
+    recent_factors: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (NaN becomes None)."""
@@ -55,6 +58,7 @@ class ModelQuality:
         d["std_errors"] = {k: v for k, v in self.std_errors.items() if math.isfinite(v)}
         d["implausible_rejected"] = dict(self.implausible_rejected)
         d["quarantined"] = {k: finite_or_none(v) for k, v in self.quarantined.items()}
+        d["recent_factors"] = {k: finite_or_none(v) for k, v in self.recent_factors.items()}
         return d
 
 

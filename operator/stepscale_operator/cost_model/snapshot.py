@@ -23,6 +23,7 @@ from stepscale_operator.cost_model.features import (
     FloatArray,
 )
 from stepscale_operator.cost_model.quality import finite_or_none
+from stepscale_operator.cost_model.regime_residuals import CELLS
 
 if TYPE_CHECKING:
     from stepscale_operator.cost_model.model import CostModel
@@ -68,6 +69,8 @@ def snapshot(model: CostModel) -> dict[str, Any]:
             "residual_center": gate.center,
             "residual_scale": finite_or_none(gate.scale),
             "residual_count": gate.length,
+            # log offsets the predictions are scaled by now: machine, then per regime cell
+            "recent_offsets": model.offsets.state(),
         },
     }
 
@@ -101,6 +104,9 @@ def restore(
             snap.number(state, "state.residual_scale", minimum=1e-12),
             int(snap.number(state, "state.residual_count", minimum=0.0, default=0.0)),
         )
+    if state.get("recent_offsets") is not None:  # else saved by an older version: zeros
+        offsets = snap.vector(state, "state.recent_offsets", 1 + len(CELLS))
+        model.offsets.restore(float(offsets[0]), offsets[1:])
     _restore_counters(model, snap)
     if n_eff * shrink > 0:
         model.regression.solve()
