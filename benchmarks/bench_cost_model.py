@@ -32,7 +32,8 @@ synthetic stream (``--synthetic``), each pass is predicted before it is learned 
 Bias: the median signed error ``median((predicted - actual) / actual)`` of each
 method, over all scored passes and per regime: ``prefill`` (prefill-bearing),
 ``decode`` (decode-only) and ``small_decode`` (decode-only, 1-3 requests); target
-within +-3%.
+within +-3%. The model's is also given with a 95% bootstrap interval per regime
+(:func:`median_interval`): prefill-bearing passes are a few hundred per recording.
 
 A hindsight diagnostic (:func:`slow_moments`): the share of scored passes run
 while the machine was slow (the decode-only passes around them > 1.5x their
@@ -377,6 +378,22 @@ def signed_by_regime(
     return out
 
 
+def median_interval(
+    y: FloatArray, p: FloatArray, sel: npt.NDArray[np.bool_], resamples: int = 1000
+) -> tuple[float, float] | None:
+    """95% bootstrap interval of the median signed error over ``sel`` (None with
+    fewer than 20 passes): how far a regime's median moves by which of its passes
+    happened to be recorded. A regime of a few hundred passes cannot be judged to
+    a point."""
+    signed = ((p - y) / y)[sel]
+    if signed.shape[0] < 20:
+        return None
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, signed.shape[0], (resamples, signed.shape[0]))
+    medians = np.median(signed[picks], axis=1)
+    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
+
+
 def score(
     msgs: list[ForwardPassMetrics], model_kwargs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -412,6 +429,10 @@ def score(
             name: signed_by_regime(y, p, common, regimes) for name, p in methods.items()
         },
         "regime_passes": {name: int((common & mask).sum()) for name, mask in regimes.items()},
+        "model_signed_interval_by_regime": {
+            name: median_interval(y, methods["model"], common & mask)
+            for name, mask in regimes.items()
+        },
     }
     slow = slow_moments(passes, methods["model"])
     result["slow_moment_share"] = float(slow[common].mean()) if common.any() else math.nan
@@ -525,6 +546,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
         for method, by in r["signed_by_regime"].items():
             txt = "  ".join(f"{k} {pct(v).strip()}" for k, v in by.items())
             print(f"  median signed error by regime, {method:<13}{txt}")
+        intervals = r["model_signed_interval_by_regime"]
+        txt = "  ".join(
+            f"{k} [{v[0]:+.1%}, {v[1]:+.1%}] of {r['regime_passes'][k]}"
+            for k, v in intervals.items()
+            if v is not None
+        )
+        print(f"  model's median signed error, 95% bootstrap interval: {txt}")
         by = r["signed_by_regime_outside_slow_moments"]
         txt = "  ".join(f"{k} {pct(v).strip()}" for k, v in by.items())
         share = "  ".join(
