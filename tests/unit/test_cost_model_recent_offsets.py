@@ -1,8 +1,8 @@
-"""Recent offsets: the machine's and each regime's recent error, applied prequentially.
+"""Recent offsets: the machine's and each regime's recent error against the current fit.
 
 Synthetic streams from the unit tests' known step-time function (5% log-normal
-noise). What is checked: the trailing medians are exact and use only earlier
-passes whatever the batch size; a machine that becomes 12% slower is followed
+noise). What is checked: the trailing medians are exact; the offsets are taken
+against the fit that predicts now, and clipped; a machine that becomes 12% slower is followed
 within a few dozen passes (the regression alone, with its long memory, stays
 low); a stall run does not make the passes after it predicted high; the offsets
 survive a snapshot and show on status.
@@ -16,6 +16,7 @@ import pytest
 from stepscale_operator.controller.status import cost_model_status
 from stepscale_operator.cost_model import CostModel
 from stepscale_operator.cost_model.recent_offsets import RecentOffsets, trailing_medians
+from stepscale_operator.cost_model.regime_residuals import regime_cells
 from tests.unit.test_cost_model import compositions, step_times
 
 
@@ -37,29 +38,40 @@ def test_trailing_medians_use_only_the_values_before_each(history_len: int, wind
     np.testing.assert_allclose(got, _naive(history, values, window, 16), equal_nan=True)
 
 
-def _stream(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    cells = rng.integers(-1, 3, n)
-    log_res = rng.normal(0.05, 0.1, n) + np.where(cells == 0, 0.08, 0.0)
-    informative = rng.random(n) > 0.1
-    return cells, log_res, informative
-
-
-def test_offsets_do_not_depend_on_the_batch_size() -> None:
+def test_offsets_are_taken_against_the_fit_that_predicts_now() -> None:
     rng = np.random.default_rng(3)
-    cells, log_res, informative = _stream(rng, 3000)
-    results = []
-    for batch in (1, 16, 3000):
-        offsets = RecentOffsets(max_age=10**9)  # the age is checked per batch: not here
-        parts = [
-            offsets.apply(cells[s : s + batch], log_res[s : s + batch], informative[s : s + batch])
-            for s in range(0, 3000, batch)
-        ]
-        results.append(np.concatenate(parts))
-    np.testing.assert_allclose(results[0], results[1])
-    np.testing.assert_allclose(results[0], results[2])
-    # It learned the machine's +5% and the prefill regime's further +8%.
-    assert results[0][-1000:][cells[-1000:] == 0].mean() == pytest.approx(0.13, abs=0.03)
-    assert results[0][-1000:][cells[-1000:] == 2].mean() == pytest.approx(0.05, abs=0.03)
+    rows = compositions(rng, 600)
+    cells = regime_cells(rows)
+    fit = 1e-3 + rows[:, 4] * 1e-5  # any fit: the offsets are relative to it
+    # The machine runs 10% above the fit; prefill-bearing passes 15% more on top.
+    truth = fit * 1.1 * np.where(cells == 0, 1.15, 1.0) * np.exp(rng.normal(0, 0.02, 600))
+    offsets = RecentOffsets()
+    offsets.add(rows, truth, cells)
+
+    def fit_of(scale: float):  # noqa: ANN202 - a fit as the model hands it over
+        return lambda sched: scale * (1e-3 + sched[:, 4] * 1e-5)
+
+    offsets.refresh(fit_of(1.0))
+    factors = offsets.factors()
+    machine_share = float(np.mean(cells[-32:] == 0))  # the machine's window mixes regimes
+    assert factors["machine"] == pytest.approx(1.1 * 1.15**machine_share, rel=0.04)
+    assert factors["machine"] * factors["prefill"] == pytest.approx(1.1 * 1.15, rel=0.03)
+    assert factors["machine"] * factors["decode"] == pytest.approx(1.1, rel=0.03)
+    # The fit learned the machine's 10%: the offsets are re-taken, not added to it.
+    offsets.fit_changed()
+    offsets.refresh(fit_of(1.1))
+    factors = offsets.factors()
+    assert factors["machine"] * factors["decode"] == pytest.approx(1.0, abs=0.03)
+    assert factors["machine"] * factors["prefill"] == pytest.approx(1.15, rel=0.03)
+
+
+def test_offsets_are_clipped() -> None:
+    rng = np.random.default_rng(4)
+    rows = compositions(rng, 200)
+    offsets = RecentOffsets(max_factor=1.2)
+    offsets.add(rows, np.full(200, 20.0), regime_cells(rows))  # a stall: 20 s passes
+    offsets.refresh(lambda sched: np.ones(sched.shape[0]))
+    assert offsets.factors()["machine"] == pytest.approx(1.2)
 
 
 def _prequential(model: CostModel, sched: np.ndarray, wall: np.ndarray) -> np.ndarray:
@@ -99,16 +111,19 @@ def test_a_stall_run_does_not_make_the_passes_after_it_predicted_high() -> None:
 
 def test_offsets_survive_a_snapshot_and_show_on_status() -> None:
     rng = np.random.default_rng(7)
-    sched = compositions(rng, 6000)
-    wall = step_times(rng, sched, 0.05) * 1.1  # all of it 10% above the fit's first guess
+    sched = compositions(rng, 5200)
+    wall = step_times(rng, sched, 0.05)
+    wall[5000:] *= 1.1  # the last 200 passes on a machine 10% slower than learned
     model = CostModel(warmup_passes=0)
-    model.update_batch(sched[:5000], wall[:5000] / 1.1, [("w", 0)] * 5000)
-    model.update_batch(sched[5000:], wall[5000:], [("w", 0)] * 1000)
+    model.update_batch(sched[:5000], wall[:5000], [("w", 0)] * 5000)
+    model.update_batch(sched[5000:], wall[5000:], [("w", 0)] * 200)
+    probe = compositions(rng, 50)
+    before = model.predict_many(probe)
     factors = model.quality.recent_factors
-    assert factors["machine"] > 1.05
+    assert factors["machine"] == pytest.approx(1.1, abs=0.04)
     restored = CostModel.from_dict(model.to_dict())
     assert restored.quality.recent_factors == pytest.approx(factors)
-    np.testing.assert_allclose(restored.predict_many(sched[:50]), model.predict_many(sched[:50]))
+    np.testing.assert_allclose(restored.predict_many(probe), before, rtol=1e-9)
     status = cost_model_status(model.to_dict())
     assert set(status["recentFactors"]) == {"machine", "prefill", "smallDecode", "decode"}
     assert status["recentFactors"]["machine"] == pytest.approx(factors["machine"], abs=1e-4)

@@ -89,9 +89,7 @@ def test_without_the_staleness_test_the_prefill_regime_stays_off(
         "stale_buckets",
         lambda self, tolerance: np.zeros(BUCKET_CELLS.shape[0], dtype=bool),
     )
-    monkeypatch.setattr(
-        RecentOffsets, "apply", lambda self, cells, log_res, informative: np.zeros(cells.shape)
-    )
+    monkeypatch.setattr(RecentOffsets, "current", lambda self, cells: np.zeros(cells.shape))
     sched, wall = _stream(0.5, 0)
     preds = _prequential(CostModel(), sched, wall)
     signed = (preds - wall) / wall

@@ -156,9 +156,6 @@ class CostModel:
             offset_machine_window,
             offset_regime_window,
             offset_max_factor,
-            # A stale regime's buckets forget at the drift half-life: within two of
-            # them the fit has moved, and older residuals would correct it twice.
-            max_age=int(2 * drift_half_life_passes),
         )
 
         self.samples = 0
@@ -348,16 +345,17 @@ class CostModel:
         # quarantined streams do not.
         informative = have_pred & ~bad_input & ~quarantined
         # The prediction served (and scored) is the fit's scaled by the recent
-        # offsets, from the passes before each row. Whether a regime's buckets are
-        # stale is judged on what the offsets leave.
+        # offsets, taken against this fit over the passes before the batch. The
+        # regression's own staleness judges the fit alone: it learns what it can.
         cells = regime_cells(sched)
-        offsets = self.offsets.apply(cells, log_res, informative)
+        if reg.coef is not None:
+            self.offsets.refresh(self._fit(reg.coef))
+        offsets = self.offsets.current(cells)
         pred = pred * np.exp(offsets)
         if informative.any():
             gate.push(log_res[informative])
-            self.regime_residuals.push(
-                cells[informative], log_res[informative] - offsets[informative]
-            )
+            self.regime_residuals.push(cells[informative], log_res[informative])
+            self.offsets.add(sched[informative], y[informative], cells[informative])
         if ready:
             self.window.push(y[have_pred & learn], pred[have_pred & learn])
         self.ledger.tally(rel, log_res, have_pred & ~bad_input, learn, accepted, slot, records)
@@ -369,6 +367,7 @@ class CostModel:
         reg.since_solve += n_acc
         if reg.coef is None or reg.since_solve >= self._resolve_period():
             reg.solve()
+            self.offsets.fit_changed()
         self.updated_at = self._clock()
         return np.where(have_pred, pred, np.nan)
 
@@ -483,7 +482,13 @@ class CostModel:
     def _current_coef(self) -> FloatArray | None:
         if self.regression.since_solve > 0:
             self.regression.solve()
+            self.offsets.fit_changed()
         return self.regression.coef
+
+    @staticmethod
+    def _fit(coef: FloatArray) -> Callable[[FloatArray], FloatArray]:
+        """The fit with these coefficients, as a function of an (n, 7) composition matrix."""
+        return lambda sched: roofline((feature_matrix(sched) / SCALES) @ P_ALL.T, coef)
 
     def predict(self, sched: ScheduledRequestMetrics) -> float:
         """Predicted wall time (seconds) of a pass with this composition; NaN before any fit."""
@@ -496,10 +501,17 @@ class CostModel:
         coef = self._current_coef()
         if coef is None:
             return np.full(sched.shape[0], np.nan)
-        fit = roofline((feature_matrix(sched) / SCALES) @ P_ALL.T, coef)
+        fit = self._fit(coef)(sched)
         if not recent_offsets:
             return fit
-        return np.asarray(fit * np.exp(self.offsets.current(regime_cells(sched))))
+        return np.asarray(fit * np.exp(self.recent_offsets().current(regime_cells(sched))))
+
+    def recent_offsets(self) -> RecentOffsets:
+        """The recent offsets, taken against the current fit."""
+        coef = self._current_coef()
+        if coef is not None:
+            self.offsets.refresh(self._fit(coef))
+        return self.offsets
 
     @property
     def coefficients(self) -> dict[str, float]:
@@ -548,7 +560,7 @@ class CostModel:
             implausible_rejected=dict(self.plausibility.rejected),
             median_signed_error=e.median_signed_error,
             quarantined=self.ledger.quarantined(),
-            recent_factors=self.offsets.factors(),
+            recent_factors=self.recent_offsets().factors(),
         )
 
     def formula(self) -> str:

@@ -70,7 +70,7 @@ def snapshot(model: CostModel) -> dict[str, Any]:
             "residual_scale": finite_or_none(gate.scale),
             "residual_count": gate.length,
             # log offsets the predictions are scaled by now: machine, then per regime cell
-            "recent_offsets": model.offsets.state(),
+            "recent_offsets": model.recent_offsets().state(),
         },
     }
 
