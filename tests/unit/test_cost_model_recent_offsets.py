@@ -127,3 +127,25 @@ def test_offsets_survive_a_snapshot_and_show_on_status() -> None:
     status = cost_model_status(model.to_dict())
     assert set(status["recentFactors"]) == {"machine", "prefill", "smallDecode", "decode"}
     assert status["recentFactors"]["machine"] == pytest.approx(factors["machine"], abs=1e-4)
+
+
+@pytest.mark.parametrize(("slower", "applied"), [(1.015, False), (1.1, True)])
+def test_the_planner_leaves_out_offsets_within_the_models_tolerance(
+    slower: float, applied: bool
+) -> None:
+    rng = np.random.default_rng(8)
+    sched = compositions(rng, 5100)
+    wall = step_times(rng, sched, 0.01)
+    wall[5000:] *= slower
+    model = CostModel(warmup_passes=0)
+    model.update_batch(sched[:5000], wall[:5000], [("w", 0)] * 5000)
+    model.update_batch(sched[5000:], wall[5000:], [("w", 0)] * 100)
+    probe = compositions(rng, 20)
+    fit = model.predict_many(probe, recent_offsets=False)
+    planned = model.predict_many(probe)
+    # The status says what the passes show either way.
+    assert model.quality.recent_factors["machine"] == pytest.approx(slower, abs=0.01)
+    if applied:
+        np.testing.assert_allclose(planned / fit, slower, atol=0.02)
+    else:
+        np.testing.assert_allclose(planned, fit)

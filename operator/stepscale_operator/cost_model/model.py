@@ -497,14 +497,23 @@ class CostModel:
     def predict_many(self, sched: FloatArray, recent_offsets: bool = True) -> FloatArray:
         """Predicted wall times for an (n, 7) composition matrix (hypothetical batches too):
         the fit, scaled by the current recent offsets of each row's regime (the fit
-        alone, what :attr:`coefficients` say, with ``recent_offsets=False``)."""
+        alone, what :attr:`coefficients` say, with ``recent_offsets=False``).
+
+        This is what the planner asks, so an offset within the model's tolerance
+        (the gate's ``drift_floor``, 3%) is left out, as a replica calculator leaves
+        a ratio within its tolerance: smaller ones are mostly the noise of a median
+        of a few dozen passes, and decisions should not move with it (on the
+        simulated fleets they stay within 1%, and applying them moved the shared
+        trace's attainment by 0.2 point either way, decision timing alone).
+        """
         coef = self._current_coef()
         if coef is None:
             return np.full(sched.shape[0], np.nan)
         fit = self._fit(coef)(sched)
         if not recent_offsets:
             return fit
-        return np.asarray(fit * np.exp(self.recent_offsets().current(regime_cells(sched))))
+        offsets = self.recent_offsets().current(regime_cells(sched), self.gate.drift_floor)
+        return np.asarray(fit * np.exp(offsets))
 
     def recent_offsets(self) -> RecentOffsets:
         """The recent offsets, taken against the current fit."""

@@ -165,10 +165,12 @@ class RecentOffsets:
             value = float(np.median(mine)) if mine.shape[0] >= self.min_residuals else 0.0
             self.regime[c] = float(np.clip(value, -limit, limit))
 
-    def current(self, cells: npt.NDArray[np.int64]) -> FloatArray:
-        """Log offset for passes of these cells (as of the last refresh)."""
+    def current(self, cells: npt.NDArray[np.int64], tolerance: float = 0.0) -> FloatArray:
+        """Log offset for passes of these cells (as of the last refresh); an offset
+        within ``tolerance`` of zero is taken as zero."""
         regime = np.where(cells >= 0, self.regime[np.maximum(cells, 0)], 0.0)
-        return np.asarray(self.machine + regime)
+        total = self.machine + regime
+        return np.asarray(np.where(np.abs(total) > tolerance, total, 0.0))
 
     def factors(self) -> dict[str, float]:
         """Current multiplicative factors: ``machine`` and one per cell."""
