@@ -28,7 +28,9 @@ off). Each offset is clipped to ``+-log(max_factor)``: they follow a machine tha
 drifts, not a stall (a run of passes slowed 10-30x, seen on a contended machine,
 would otherwise set the median for as long as it lasts). Stalls are the admission
 gate's (:mod:`.admission`). Every pass of a batch gets the offsets as of the
-batch's start, so they are prequential.
+batch's start, so they are prequential. The planner's predictions
+(:meth:`~.model.CostModel.predict_many`) leave out an offset within the model's
+3% tolerance.
 """
 
 from __future__ import annotations
@@ -103,7 +105,12 @@ class RecentOffsets:
         self._rows = np.zeros((0, len(SCHED_FIELDS)))
         self._y = np.zeros(0)
         self._cells = np.zeros(0, dtype=np.int64)
-        self._fresh = True  # the offsets are those of the kept passes and the fit
+        # Against the fit of the last refresh, per kept pass: its log residual and the
+        # machine's offset at its time; the last ``_pending`` passes have neither yet.
+        self._res = np.zeros(0)
+        self._at_time = np.zeros(0)
+        self._pending = 0
+        self._fit_changed = False
         self.machine = 0.0
         self.regime = np.zeros(len(CELLS))
 
@@ -129,39 +136,52 @@ class RecentOffsets:
         return [self.machine, *map(float, self.regime)]
 
     def fit_changed(self) -> None:
-        """The fit was re-solved: the offsets are re-taken before they are next used."""
-        self._fresh = False
+        """The fit was re-solved: every residual is re-taken at the next refresh."""
+        self._fit_changed = True
 
     def add(self, sched: FloatArray, y: FloatArray, cells: npt.NDArray[np.int64]) -> None:
         """Keep a batch's informative passes (arrival order)."""
-        if not y.shape[0]:
+        n = y.shape[0]
+        if not n:
             return
         self._rows = np.concatenate([self._rows, sched])[-self.keep :]
         self._y = np.concatenate([self._y, y])[-self.keep :]
         self._cells = np.concatenate([self._cells, cells])[-self.keep :]
-        self._fresh = False
+        self._pending = min(self._pending + n, self._y.shape[0])
+        done = self._y.shape[0] - self._pending
+        self._res = self._res[self._res.shape[0] - done :]
+        self._at_time = self._at_time[self._at_time.shape[0] - done :]
 
     def refresh(self, fit: Fit) -> None:
-        """Re-take the offsets against ``fit`` if the fit or the passes changed."""
-        if self._fresh or not self._y.shape[0]:
-            self._fresh = True
+        """Take the offsets against ``fit``: every kept pass's residual after a solve,
+        only the new passes' otherwise (what a batch costs: its own passes)."""
+        if self._fit_changed:
+            self._pending = self._y.shape[0]
+            self._res, self._at_time = np.zeros(0), np.zeros(0)
+            self._fit_changed = False
+        p = self._pending
+        if not p:
             return
-        self._fresh = True
-        pred = fit(self._rows)
-        res = np.log(np.maximum(self._y, 1e-12) / np.where(pred > 0, pred, np.nan))
-        ok = np.isfinite(res)
-        res, cells = res[ok], self._cells[ok]
-        if res.shape[0] < self.min_residuals:
-            return
+        self._pending = 0
+        new = slice(self._y.shape[0] - p, None)
+        pred = fit(self._rows[new])
+        res = np.log(np.maximum(self._y[new], 1e-12) / np.where(pred > 0, pred, np.nan))
+        res = np.nan_to_num(res, nan=0.0)  # no prediction to compare with: no offset
         limit = self._limit
-        self.machine = float(np.clip(np.median(res[-self.machine_window :]), -limit, limit))
+        # The machine's offset at each pass's time: the trailing median before it.
+        at_time = trailing_medians(self._res, res, self.machine_window, self.min_residuals)
+        self._at_time = np.concatenate(
+            [self._at_time, np.clip(np.nan_to_num(at_time[:-1], nan=0.0), -limit, limit)]
+        )
+        self._res = np.concatenate([self._res, res])
+        if self._res.shape[0] < self.min_residuals:
+            return
+        self.machine = float(np.clip(np.median(self._res[-self.machine_window :]), -limit, limit))
         if not self.regime_window:
             return
-        # The machine's offset at each pass's time: the trailing median before it.
-        at_time = trailing_medians(np.zeros(0), res, self.machine_window, self.min_residuals)
-        left = res - np.clip(np.nan_to_num(at_time[:-1], nan=0.0), -limit, limit)
+        left = self._res - self._at_time
         for c in range(len(CELLS)):
-            mine = left[cells == c][-self.regime_window :]
+            mine = left[self._cells == c][-self.regime_window :]
             value = float(np.median(mine)) if mine.shape[0] >= self.min_residuals else 0.0
             self.regime[c] = float(np.clip(value, -limit, limit))
 
