@@ -14,7 +14,8 @@ A pass goes through, top to bottom (:meth:`CostModel._learn_rows`):
 5. prequential quality (:mod:`.quality`), per-regime and per-stream residuals;
 6. the recent offsets (:mod:`.recent_offsets`): every prediction, the prequential
    one and the planner's, is scaled by how far the fit has been off lately for
-   the machine and for the pass's regime.
+   the machine and for the pass's regime (the planner's only beyond the 3%
+   tolerance, :meth:`CostModel.predict_many`).
 
 Snapshots and restores are :mod:`.snapshot`'s.
 """
