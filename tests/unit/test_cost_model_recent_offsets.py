@@ -51,15 +51,14 @@ def test_offsets_are_taken_against_the_fit_that_predicts_now() -> None:
     def fit_of(scale: float):  # noqa: ANN202 - a fit as the model hands it over
         return lambda sched: scale * (1e-3 + sched[:, 4] * 1e-5)
 
-    offsets.refresh(fit_of(1.0))
+    offsets.refresh(fit_of(1.0), np.array([1.0]))
     factors = offsets.factors()
     machine_share = float(np.mean(cells[-32:] == 0))  # the machine's window mixes regimes
     assert factors["machine"] == pytest.approx(1.1 * 1.15**machine_share, rel=0.04)
     assert factors["machine"] * factors["prefill"] == pytest.approx(1.1 * 1.15, rel=0.03)
     assert factors["machine"] * factors["decode"] == pytest.approx(1.1, rel=0.03)
     # The fit learned the machine's 10%: the offsets are re-taken, not added to it.
-    offsets.fit_changed()
-    offsets.refresh(fit_of(1.1))
+    offsets.refresh(fit_of(1.1), np.array([1.1]))
     factors = offsets.factors()
     assert factors["machine"] * factors["decode"] == pytest.approx(1.0, abs=0.03)
     assert factors["machine"] * factors["prefill"] == pytest.approx(1.15, rel=0.03)
@@ -70,7 +69,7 @@ def test_offsets_are_clipped() -> None:
     rows = compositions(rng, 200)
     offsets = RecentOffsets(max_factor=1.2)
     offsets.add(rows, np.full(200, 20.0), regime_cells(rows))  # a stall: 20 s passes
-    offsets.refresh(lambda sched: np.ones(sched.shape[0]))
+    offsets.refresh(lambda sched: np.ones(sched.shape[0]), np.array([1.0]))
     assert offsets.factors()["machine"] == pytest.approx(1.2)
 
 

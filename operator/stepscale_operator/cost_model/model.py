@@ -350,7 +350,7 @@ class CostModel:
         # regression's own staleness judges the fit alone: it learns what it can.
         cells = regime_cells(sched)
         if reg.coef is not None:
-            self.offsets.refresh(self._fit(reg.coef))
+            self.offsets.refresh(self._fit(reg.coef), reg.coef)
         offsets = self.offsets.current(cells)
         pred = pred * np.exp(offsets)
         if informative.any():
@@ -368,7 +368,6 @@ class CostModel:
         reg.since_solve += n_acc
         if reg.coef is None or reg.since_solve >= self._resolve_period():
             reg.solve()
-            self.offsets.fit_changed()
         self.updated_at = self._clock()
         return np.where(have_pred, pred, np.nan)
 
@@ -483,7 +482,6 @@ class CostModel:
     def _current_coef(self) -> FloatArray | None:
         if self.regression.since_solve > 0:
             self.regression.solve()
-            self.offsets.fit_changed()
         return self.regression.coef
 
     @staticmethod
@@ -520,7 +518,7 @@ class CostModel:
         """The recent offsets, taken against the current fit."""
         coef = self._current_coef()
         if coef is not None:
-            self.offsets.refresh(self._fit(coef))
+            self.offsets.refresh(self._fit(coef), coef)
         return self.offsets
 
     @property

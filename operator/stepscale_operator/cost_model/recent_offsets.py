@@ -110,7 +110,7 @@ class RecentOffsets:
         self._res = np.zeros(0)
         self._at_time = np.zeros(0)
         self._pending = 0
-        self._fit_changed = False
+        self._coef: FloatArray | None = None  # the fit's coefficients the residuals are against
         self.machine = 0.0
         self.regime = np.zeros(len(CELLS))
 
@@ -135,10 +135,6 @@ class RecentOffsets:
         """The offsets (log) for a snapshot: the machine's, then each cell's."""
         return [self.machine, *map(float, self.regime)]
 
-    def fit_changed(self) -> None:
-        """The fit was re-solved: every residual is re-taken at the next refresh."""
-        self._fit_changed = True
-
     def add(self, sched: FloatArray, y: FloatArray, cells: npt.NDArray[np.int64]) -> None:
         """Keep a batch's informative passes (arrival order)."""
         n = y.shape[0]
@@ -152,13 +148,14 @@ class RecentOffsets:
         self._res = self._res[self._res.shape[0] - done :]
         self._at_time = self._at_time[self._at_time.shape[0] - done :]
 
-    def refresh(self, fit: Fit) -> None:
-        """Take the offsets against ``fit``: every kept pass's residual after a solve,
-        only the new passes' otherwise (what a batch costs: its own passes)."""
-        if self._fit_changed:
+    def refresh(self, fit: Fit, coef: FloatArray) -> None:
+        """Take the offsets against ``fit`` (of coefficients ``coef``): every kept
+        pass's residual when the coefficients changed (a solve), only the new
+        passes' otherwise (what a batch costs: its own passes)."""
+        if self._coef is None or not np.array_equal(coef, self._coef):
             self._pending = self._y.shape[0]
             self._res, self._at_time = np.zeros(0), np.zeros(0)
-            self._fit_changed = False
+            self._coef = np.array(coef, dtype=np.float64)
         p = self._pending
         if not p:
             return
