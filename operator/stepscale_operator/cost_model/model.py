@@ -503,7 +503,7 @@ class CostModel:
         a ratio within its tolerance: smaller ones are mostly the noise of a median
         of a few dozen passes, and decisions should not move with it (on the
         simulated fleets they stay within 1%, and applying them moved the shared
-        trace's attainment by 0.2 point either way, decision timing alone).
+        trace's attainment from 99.54% to 99.35% by decision timing alone).
         """
         coef = self._current_coef()
         if coef is None:
