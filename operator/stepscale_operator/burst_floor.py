@@ -3,6 +3,8 @@
 A need that jumps by ``burst_ratio`` within one start-up horizon rose faster than
 pods can start; its peak (counted from the low point it rose from) is kept for
 ``burst_memory_s`` so a burst coming back soon finds its capacity already there.
+What is kept is the peak's *demand*, sized again at every decision with the model
+and the closed loop's correction as they are then (see :meth:`BurstMemory.floor`).
 Once bursts come at a steady period (:mod:`~stepscale_operator.burst_recurrence`),
 the next one's peak is provisioned one horizon before it is due, and nothing is
 held between. Pure and deterministic, like the planner that owns it.
@@ -10,11 +12,12 @@ held between. Pure and deterministic, like the planner that owns it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from stepscale_operator.burst_recurrence import BurstRecurrence, RecurringBurst
+from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner_stages import BurstFloor
 
 
@@ -56,6 +59,7 @@ class BurstSettings(Protocol):
 class _Need:
     time: float
     replicas: int
+    load: LoadEstimate  # the demand that needed them
 
 
 def _recurring_words(burst: RecurringBurst, now: float) -> str:
@@ -89,7 +93,13 @@ class BurstMemory:
         self._recurrence.restore(onsets)
 
     def floor(
-        self, now: float, needed: int, horizon: float, first_decision: float | None
+        self,
+        now: float,
+        needed: int,
+        horizon: float,
+        first_decision: float | None,
+        load: LoadEstimate,
+        size: Callable[[LoadEstimate], int],
     ) -> BurstFloor:
         """The floor bursts ask for, and the recurring burst it prepares for (if so).
 
@@ -102,11 +112,23 @@ class BurstMemory:
         The peak counts from the low point the burst rose from: a higher need met
         before the burst (an earlier daily peak) is not what a recurring burst
         needs, and keeping it would hold capacity no burst asked for.
-        ``needed`` is sized on the demand (served load corrected by the queue's
-        growth or drain), so a backlog draining after the burst does not inflate it.
+        ``needed`` is sized on the demand ``load`` (served load corrected by the
+        queue's growth or drain), so a backlog draining after the burst does not
+        inflate it.
+
+        The peak is the demand that needed the most replicas, sized again by
+        ``size`` (the planner's count for a demand, as the model and its learned
+        correction are now) at every decision. A count read at the onset carries
+        the onset's transient: the realized latency of a swamped fleet over a load
+        window of quiet seconds and the burst's first ones teaches the closed loop
+        a correction that decays once the fleet has caught up (on silence-burst
+        x1.68, and a peak of 8 replicas kept for 15 minutes where 3-4 served the
+        burst). The same demand sized with the decayed correction needs what it
+        needs, and a correction that stays (the model really under-predicts)
+        keeps the count up.
         """
         policy = self.settings
-        self._needs.append(_Need(now, needed))
+        self._needs.append(_Need(now, needed, load))
         keep = max(policy.burst_memory_s, horizon)
         self._needs = [r for r in self._needs if r.time >= now - keep]
         # The low point must be a need judged after one horizon on the model: over
@@ -132,7 +154,9 @@ class BurstMemory:
         seen = None if self._last_burst is None else now - self._last_burst
         memory = 0
         if self._last_burst is not None and now - self._last_burst <= keep:
-            peak = max(r.replicas for r in self._needs if r.time >= self._burst_began)
+            since = [r for r in self._needs if r.time >= self._burst_began]
+            top = max(since, key=lambda r: (r.replicas, r.time))
+            peak = top.replicas if top.time == now else size(top.load)
             # The burst's peak, for the next one of a period (even without a memory).
             self._recurrence.burst_need(peak)
             if now - self._last_burst <= policy.burst_memory_s:
@@ -145,8 +169,9 @@ class BurstMemory:
                 reason = _recurring_words(prepared, now)
             elif value and seen is not None:
                 reason = (
-                    f"a burst faster than pod start-up was seen {seen:.0f}s ago; "
-                    f"its peak need ({value}) is kept for {policy.burst_memory_s:.0f}s"
+                    f"a burst faster than pod start-up was seen {seen:.0f}s ago; its peak "
+                    f"demand (needing {value} as the model is now) is kept for "
+                    f"{policy.burst_memory_s:.0f}s"
                 )
             else:
                 reason = "no burst to prepare for"

@@ -101,10 +101,7 @@ def capacity_need(
     # Removing capacity is judged on the measured load, not on a forecast:
     # survivors must carry today's load with the wider margin.
     down_ok, _, _ = smallest(demand.survivors, margin + policy.hysteresis)
-    # What the measured demand needs, with the look-ahead headroom but no trend:
-    # the need a burst memory keeps.
-    steady = with_demand(demand.measured, max(policy.min_lookahead_ratio, 1.0))
-    measured_need, _, _ = smallest(steady, margin)
+    measured_need = steady_need(policy, inputs, demand.measured, search_high, predict)
     share = predict(max(needed, 1), demand.planned).unreachable_share
     caveats = []
     if share > 0.0:
@@ -129,6 +126,22 @@ def capacity_need(
         reason,
         "; ".join(caveats),
     )
+
+
+def steady_need(
+    policy: PlannerPolicy,
+    inputs: PlannerInputs,
+    measured: LoadEstimate,
+    search_high: int,
+    predict: Predict,
+) -> int:
+    """Replicas a measured demand needs with the look-ahead headroom but no trend,
+    within the SLO less the margin: the need a burst memory keeps (and re-sizes)."""
+    margin = planning_margin(policy, inputs.model_mape)
+    steady = with_demand(measured, max(policy.min_lookahead_ratio, 1.0))
+    meets, _ = slo_within_reach(policy, inputs.slo, steady, margin, search_high, predict)
+    n, _ = smallest_replicas_within_slo(lambda k: meets(predict(k, steady), margin), 1, search_high)
+    return n
 
 
 def slo_within_reach(

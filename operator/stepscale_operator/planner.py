@@ -30,10 +30,16 @@ from dataclasses import asdict
 
 from stepscale_operator.burst_floor import BurstMemory
 from stepscale_operator.capacity_floors import apply_floors
-from stepscale_operator.capacity_need import Predict, capacity_need, latency_predictions
+from stepscale_operator.capacity_need import (
+    Predict,
+    capacity_need,
+    latency_predictions,
+    steady_need,
+)
 from stepscale_operator.closed_loop import NO_FEEDBACK, Feedback, LatencyFeedback, with_correction
 from stepscale_operator.demand import DemandStage, forecast_load, with_demand
 from stepscale_operator.latency_model import LatencyPrediction
+from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner_policy import PlannerPolicy
 from stepscale_operator.planner_stages import (
     Decision,
@@ -113,8 +119,16 @@ class Planner:
         # Bursts are judged, and remembered, on the measured load's need: not on a
         # forecast or a backlog allowance, which would keep an overshoot.
         assert self._window.first_decision_time is not None
+        def resize(load: LoadEstimate) -> int:
+            return steady_need(policy, inputs, load, need.search_high, predict)
+
         bursts = self._bursts.floor(
-            now, need.measured_need, demand.horizon_s, self._window.first_decision_time
+            now,
+            need.measured_need,
+            demand.horizon_s,
+            self._window.first_decision_time,
+            demand.measured,
+            resize,
         )
         floors = apply_floors(need, demand, bursts, feedback, fleet)
         for part in (demand, feedback, need, bursts, floors):

@@ -934,6 +934,42 @@ def test_the_burst_memory_keeps_the_bursts_peak_not_an_earlier_higher_need() -> 
     assert total == peak.desired_replicas < needed_for(high, policy)
 
 
+def test_a_bursts_remembered_peak_is_sized_with_the_model_as_it_is_now() -> None:
+    # At a burst's onset the realized latency of the swamped fleet runs far above the
+    # prediction (a load window of quiet seconds and the burst's first ones), so the
+    # closed loop's correction jumps and the onset's need with it. Once the fleet has
+    # caught up, the realized latency agrees with the model and the correction
+    # decays. The memory keeps the burst's demand, sized as the model sees it now:
+    # not the onset's inflated count for 15 minutes.
+    policy = PlannerPolicy(
+        initial_hold_s=0.0,
+        scale_down_stabilization_s=60.0,
+        scale_down_settle_s=0.0,
+        burst_memory_s=900.0,
+    )
+    planner = Planner(policy)
+    low, burst = load_of(20.0), load_of(100.0)
+    total, t = _run_steady(planner, low, needed_for(low, policy), 0.0, 200.0)
+    # The onset: the window's mean load is still low, its realized latency the burst's.
+    first_seconds = replace(low, realized_itl_mean_ms=1000.0, realized_itl_tail_ms=1000.0)
+    learned = planner.decide(inputs_for(first_seconds, total, now=t), now=t)
+    assert learned.inputs["itl_correction"] > 1.2
+    onset = planner.decide(inputs_for(burst, total, now=t + 5.0), now=t + 5.0)
+    assert onset.inputs["burst_seen_s_ago"] == 0.0
+    assert onset.desired_replicas > needed_for(burst, policy)
+    # The fleet catches up and the realized latency is what the model predicts (or less).
+    agrees = replace(burst, realized_itl_mean_ms=1.0, realized_itl_tail_ms=1.0)
+    total, t = _run_steady(planner, agrees, onset.desired_replicas, t + 10.0, t + 400.0)
+    held = planner.decide(inputs_for(agrees, total, now=t), now=t)
+    assert held.inputs["itl_correction"] < 1.01
+    # The burst ends: the memory holds what its demand needs, not the onset's count.
+    quiet = replace(low, realized_itl_mean_ms=1.0, realized_itl_tail_ms=1.0)
+    total, t = _run_steady(planner, quiet, total, t + 10.0, t + 300.0)
+    after = planner.decide(inputs_for(quiet, total, now=t), now=t)
+    assert "burst" in after.reason
+    assert after.desired_replicas == needed_for(burst, policy) < onset.desired_replicas
+
+
 def test_the_planners_own_warm_up_is_not_a_burst() -> None:
     # The load estimate and the fleet's batches fill over the first decisions: the
     # need rises from almost nothing to the real one. That is no burst to remember.
