@@ -90,17 +90,14 @@ def capacity_need(
     if demand.idle:
         return CapacityNeed(0, True, 0, 0, margin, search_high, 0.0, "nothing to serve", "")
     slo = inputs.slo
-
-    def smallest(load: LoadEstimate, m: float) -> tuple[int, bool, str]:
-        # Each search judges against what its own load and margin can reach.
-        meets, words = slo_within_reach(policy, slo, load, m, search_high, predict)
-        n, ok = smallest_replicas_within_slo(lambda k: meets(predict(k, load), m), 1, search_high)
-        return n, ok, words
-
-    needed, reachable, words = smallest(demand.planned, margin)
+    needed, reachable, words = smallest_within_reach(
+        policy, slo, demand.planned, margin, search_high, predict
+    )
     # Removing capacity is judged on the measured load, not on a forecast:
     # survivors must carry today's load with the wider margin.
-    down_ok, _, _ = smallest(demand.survivors, margin + policy.hysteresis)
+    down_ok, _, _ = smallest_within_reach(
+        policy, slo, demand.survivors, margin + policy.hysteresis, search_high, predict
+    )
     measured_need = steady_need(policy, inputs, demand.measured, search_high, predict)
     share = predict(max(needed, 1), demand.planned).unreachable_share
     caveats = []
@@ -139,9 +136,24 @@ def steady_need(
     within the SLO less the margin: the need a burst memory keeps (and re-sizes)."""
     margin = planning_margin(policy, inputs.model_mape)
     steady = with_demand(measured, max(policy.min_lookahead_ratio, 1.0))
-    meets, _ = slo_within_reach(policy, inputs.slo, steady, margin, search_high, predict)
-    n, _ = smallest_replicas_within_slo(lambda k: meets(predict(k, steady), margin), 1, search_high)
+    n, _, _ = smallest_within_reach(policy, inputs.slo, steady, margin, search_high, predict)
     return n
+
+
+def smallest_within_reach(
+    policy: PlannerPolicy,
+    slo: SloTargets,
+    load: LoadEstimate,
+    margin: float,
+    search_high: int,
+    predict: Predict,
+) -> tuple[int, bool, str]:
+    """The fewest replicas (up to ``search_high``) within what ``load`` can reach at
+    ``margin`` (see :func:`slo_within_reach`): the count, whether one met it, and
+    the out-of-reach words. Each search judges against its own load and margin."""
+    meets, words = slo_within_reach(policy, slo, load, margin, search_high, predict)
+    n, ok = smallest_replicas_within_slo(lambda k: meets(predict(k, load), margin), 1, search_high)
+    return n, ok, words
 
 
 def slo_within_reach(

@@ -119,6 +119,7 @@ class Planner:
         # Bursts are judged, and remembered, on the measured load's need: not on a
         # forecast or a backlog allowance, which would keep an overshoot.
         assert self._window.first_decision_time is not None
+
         def resize(load: LoadEstimate) -> int:
             return steady_need(policy, inputs, load, need.search_high, predict)
 
