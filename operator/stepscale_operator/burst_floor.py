@@ -112,12 +112,9 @@ class BurstMemory:
         The peak counts from the low point the burst rose from: a higher need met
         before the burst (an earlier daily peak) is not what a recurring burst
         needs, and keeping it would hold capacity no burst asked for.
-        ``needed`` is sized on the demand (served load corrected by the queue's
-        growth or drain), so a backlog draining after the burst does not inflate
-        it; ``load`` is that demand by the window's balance alone, what is kept.
-        The newest seconds' balance, which scale-up reacts to, is too noisy to
-        hold for 15 minutes: on silence-burst it read 25.6 req/s at the onset
-        where 16-19 arrived, and the window 15.5.
+        ``needed`` is sized on the demand ``load`` (served load corrected by the
+        queue's growth or drain), so a backlog draining after the burst does not
+        inflate it.
 
         The peak is the demand that needed the most replicas, sized again by
         ``size`` (the planner's count for a demand, as the model and its learned
@@ -159,7 +156,7 @@ class BurstMemory:
         if self._last_burst is not None and now - self._last_burst <= keep:
             since = [r for r in self._needs if r.time >= self._burst_began]
             top = max(since, key=lambda r: (r.replicas, r.time))
-            peak = size(top.load)
+            peak = top.replicas if top.time == now else size(top.load)
             # The burst's peak, for the next one of a period (even without a memory).
             self._recurrence.burst_need(peak)
             if now - self._last_burst <= policy.burst_memory_s:

@@ -128,7 +128,7 @@ class Planner:
             need.measured_need,
             demand.horizon_s,
             self._window.first_decision_time,
-            demand.balanced,
+            demand.measured,
             resize,
         )
         floors = apply_floors(need, demand, bursts, feedback, fleet)

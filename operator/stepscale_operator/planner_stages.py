@@ -114,9 +114,6 @@ class Demand:
     """What the fleet must carry: measured, corrected by the queue, and looked ahead."""
 
     measured: LoadEstimate  # served load times ``demand_ratio`` (arrivals by mass balance)
-    # The same by the window's balance alone: the newest seconds' balance (a step
-    # shows there first) is for reacting, and too noisy to remember.
-    balanced: LoadEstimate
     planned: LoadEstimate  # ``measured`` one horizon ahead (trend, headroom)
     survivors: LoadEstimate  # ``measured`` at the heavier request mix (scale-down judges it)
     horizon_s: float

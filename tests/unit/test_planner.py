@@ -970,37 +970,6 @@ def test_a_bursts_remembered_peak_is_sized_with_the_model_as_it_is_now() -> None
     assert after.desired_replicas == needed_for(burst, policy) < onset.desired_replicas
 
 
-def test_the_burst_memory_keeps_the_windows_balance_not_the_newest_seconds() -> None:
-    # At an onset the newest seconds' balance of a swamped queue (a step shows there
-    # first) says twice the served rate; the window's balance says a tenth more.
-    # Scale-up reacts to the first; the memory keeps the second: it holds the
-    # burst's demand for 15 minutes, and a few noisy seconds are no demand to hold.
-    policy = PlannerPolicy(
-        initial_hold_s=0.0,
-        scale_down_stabilization_s=60.0,
-        scale_down_settle_s=0.0,
-        burst_memory_s=900.0,
-    )
-    planner = Planner(policy)
-    low, burst = load_of(20.0), load_of(60.0)
-    total, t = _run_steady(planner, low, needed_for(low, policy), 0.0, 200.0)
-    served = burst.prefill_tokens_per_s
-    swamped = replace(
-        load_of(60.0, queued=40.0 * total),
-        queued_prefill_tokens_change_per_s=0.1 * served,
-        prefill_demand_tokens_per_s_recent=2.0 * served,
-    )
-    onset = planner.decide(inputs_for(swamped, total, now=t), now=t)
-    assert onset.inputs["demand_ratio"] == pytest.approx(2.0)
-    assert onset.inputs["burst_seen_s_ago"] == 0.0
-    total, t = _run_steady(planner, burst, onset.desired_replicas, t + 10.0, t + 200.0)
-    total, t = _run_steady(planner, low, total, t, t + 300.0)
-    after = planner.decide(inputs_for(low, total, now=t), now=t)
-    assert "burst" in after.reason
-    assert after.desired_replicas == needed_for(load_of(66.0), policy)
-    assert after.desired_replicas < needed_for(load_of(120.0), policy)
-
-
 def test_the_planners_own_warm_up_is_not_a_burst() -> None:
     # The load estimate and the fleet's batches fill over the first decisions: the
     # need rises from almost nothing to the real one. That is no burst to remember.
