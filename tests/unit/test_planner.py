@@ -914,14 +914,19 @@ def test_scale_down_judges_survivors_on_the_usual_mix_not_a_passing_light_one() 
     assert d.desired_replicas == small and d.action == "hold"
 
 
-def test_the_burst_memory_keeps_the_bursts_peak_not_an_earlier_higher_need() -> None:
-    # The descent's pacing (scale_down_settle_s) has its own test: the burst rules alone.
-    policy = PlannerPolicy(
+def _burst_rules_policy() -> PlannerPolicy:
+    """The burst rules alone: no initial hold, a short window, no descent pacing
+    (``scale_down_settle_s`` has its own test), a 15-minute memory."""
+    return PlannerPolicy(
         initial_hold_s=0.0,
         scale_down_stabilization_s=60.0,
         scale_down_settle_s=0.0,
         burst_memory_s=900.0,
     )
+
+
+def test_the_burst_memory_keeps_the_bursts_peak_not_an_earlier_higher_need() -> None:
+    policy = _burst_rules_policy()
     planner = Planner(policy)
     high, low, burst = load_of(150.0), load_of(20.0), load_of(100.0)
     total, t = _run_steady(planner, high, needed_for(high, policy), 0.0, 100.0)
@@ -941,12 +946,7 @@ def test_a_bursts_remembered_peak_is_sized_with_the_model_as_it_is_now() -> None
     # caught up, the realized latency agrees with the model and the correction
     # decays. The memory keeps the burst's demand, sized as the model sees it now:
     # not the onset's inflated count for 15 minutes.
-    policy = PlannerPolicy(
-        initial_hold_s=0.0,
-        scale_down_stabilization_s=60.0,
-        scale_down_settle_s=0.0,
-        burst_memory_s=900.0,
-    )
+    policy = _burst_rules_policy()
     planner = Planner(policy)
     low, burst = load_of(20.0), load_of(100.0)
     total, t = _run_steady(planner, low, needed_for(low, policy), 0.0, 200.0)
