@@ -156,6 +156,7 @@ class BurstMemory:
         if self._last_burst is not None and now - self._last_burst <= keep:
             since = [r for r in self._needs if r.time >= self._burst_began]
             top = max(since, key=lambda r: (r.replicas, r.time))
+            # This decision's own need was just sized on the same model: no second search.
             peak = top.replicas if top.time == now else size(top.load)
             # The burst's peak, for the next one of a period (even without a memory).
             self._recurrence.burst_need(peak)
