@@ -1,7 +1,9 @@
 """Burst floors: the capacity a burst faster than pod start-up asks the planner to keep.
 
 A need that jumps by ``burst_ratio`` within one start-up horizon rose faster than
-pods can start; its peak (counted from the low point it rose from) is kept for
+pods can start, when the demand behind it rose by more than the load windows'
+sampling noise (:mod:`~stepscale_operator.demand_rise`: a few long prompts in one
+window move the need as much, with no rise in arrivals); its peak (counted from the low point it rose from) is kept for
 ``burst_memory_s`` so a burst coming back soon finds its capacity already there.
 What is kept is the peak's *demand*, sized again at every decision with the model
 and the closed loop's correction as they are then (see :meth:`BurstMemory.floor`).
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from stepscale_operator.burst_recurrence import BurstRecurrence, RecurringBurst
+from stepscale_operator.demand_rise import demand_rise_z
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner_stages import BurstFloor
 
@@ -32,6 +35,11 @@ class BurstSettings(Protocol):
     @property
     def burst_min_step(self) -> int:
         """... when it also rose by at least this many replicas."""
+        ...
+
+    @property
+    def burst_min_z(self) -> float:
+        """... and its demand rose by more than this many standard errors of noise."""
         ...
 
     @property
@@ -92,6 +100,14 @@ class BurstMemory:
         """Start from bursts seen before (see :meth:`onsets`), on this clock."""
         self._recurrence.restore(onsets)
 
+    def _rise_is_real(self, before: list[_Need], low: int, load: LoadEstimate) -> bool:
+        """Whether the demand rose from the latest low point's by more than the
+        windows' sampling noise (see :mod:`~stepscale_operator.demand_rise`). A need
+        that jumps while the arrivals do not is a few long prompts in one window, and
+        keeping its peak for ``burst_memory_s`` holds capacity no burst asked for."""
+        at_low = max((r for r in before if r.replicas == low), key=lambda r: r.time)
+        return demand_rise_z(at_low.load, load) >= self.settings.burst_min_z
+
     def floor(
         self,
         now: float,
@@ -140,7 +156,11 @@ class BurstMemory:
         warmed = first + horizon
         before = [r for r in self._needs if r.time >= max(now - horizon, warmed)]
         low = min(r.replicas for r in before) if before else needed
-        if needed - low >= policy.burst_min_step and needed >= policy.burst_ratio * max(low, 1):
+        if (
+            needed - low >= policy.burst_min_step
+            and needed >= policy.burst_ratio * max(low, 1)
+            and self._rise_is_real(before, low, load)
+        ):
             new_burst = self._last_burst is None or now - self._last_burst > horizon
             self._last_burst = now
             # The rise began after the last time the need was at its low.

@@ -121,6 +121,10 @@ class PlannerPolicy:
     mix_memory_s: float = 900.0
     burst_ratio: float = 1.6
     burst_min_step: int = 3
+    # ... and only when the demand rose by more than this many standard errors of
+    # the load windows' sampling noise (see demand_rise): heavy-tailed prompts at
+    # a prompt a second swing one window's need by 3x with no rise in arrivals.
+    burst_min_z: float = 3.0
     burst_memory_s: float = 900.0
     # Bursts recur: after two onsets, the next burst's peak need is provisioned one
     # look-ahead horizon before it is due; once the gaps between the last
