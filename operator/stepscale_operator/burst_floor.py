@@ -3,8 +3,9 @@
 A need that jumps by ``burst_ratio`` within one start-up horizon rose faster than
 pods can start, when the demand behind it rose by more than the load windows'
 sampling noise (:mod:`~stepscale_operator.demand_rise`: a few long prompts in one
-window move the need as much, with no rise in arrivals); its peak (counted from the low point it rose from) is kept for
-``burst_memory_s`` so a burst coming back soon finds its capacity already there.
+window move the need as much, with no rise in arrivals); its peak (counted from
+the low point it rose from) is kept for ``burst_memory_s`` so a burst coming back
+soon finds its capacity already there.
 What is kept is the peak's *demand*, sized again at every decision with the model
 and the closed loop's correction as they are then (see :meth:`BurstMemory.floor`).
 Once bursts come at a steady period (:mod:`~stepscale_operator.burst_recurrence`),
