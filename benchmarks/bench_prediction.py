@@ -10,7 +10,8 @@ pooled share of requests above their window's predicted p99 TTFT and ITL (1%
 when calibrated). Also the prompt tokens computed in a decode token's pass, on
 average (what delays the decodes): what the latency model puts it at (median over
 its predictions: a mean step's prompt tokens times the router's exposure) and what
-the simulated engines did (over the whole run). Prints a table; writes
+the simulated engines did over the window each prediction measured (the medians
+over windows, and the median of their ratio). Prints a table; writes
 ``bench_prediction.json``.
 
 ``--across scenario@6,8,12,16`` holds the fleet at each of those counts and has
@@ -128,19 +129,19 @@ def run_one(job: tuple[str, float, int, int, tuple[int, ...]]) -> dict[str, obje
     result = Fleet(traffic, policy, config).run()
     errors = prediction_errors(policy, result)
     held = [check.replicas for check in policy.checks]
-    beside = [check.prefill_tokens_per_decode for check in policy.checks]
-    finished = np.isfinite(result.requests.finish_s)
-    decode_tokens = float(np.maximum(np.asarray(result.requests.output)[finished] - 1, 0).sum())
+    pred, sim, ratio = beside_decodes_by_window(
+        result.beside_by_second,
+        [(check.time, check.prefill_tokens_per_decode) for check in policy.checks],
+    )
     return {
         "run": run,
         "replicas": replicas or "planner",
         "replicas_median": float(statistics.median(held)) if held else 0.0,
         "wall_s": time.perf_counter() - began,
         **{key: errors.get(key, float("nan")) for key in KEYS},
-        "prefill_tokens_per_decode_predicted": float(statistics.median(beside)) if beside else 0.0,
-        "prefill_tokens_per_decode_simulated": (
-            result.prefill_tokens_beside_decodes / decode_tokens if decode_tokens else 0.0
-        ),
+        "prefill_tokens_per_decode_predicted": pred,
+        "prefill_tokens_per_decode_simulated": sim,
+        "prefill_tokens_per_decode_ratio": ratio,
         "itl_p99_across": [
             (t, {str(n): v for n, v in at.items()}) for t, at in policy.predicted_across
         ],
@@ -163,6 +164,47 @@ def window_itl_p99(
         if seen.size >= 30:
             out[f"{t:.1f}"] = float(np.percentile(seen, 99))
     return out
+
+
+def beside_decodes_by_window(
+    by_second: dict[int, list[int]],
+    checks: list[tuple[float, float]],
+    window_s: float = 30.0,
+) -> tuple[float, float, float]:
+    """The prompt tokens a decode token's pass carried, predicted against simulated
+    window by window: each check (time, predicted) against the simulated ratio over
+    the ``window_s`` it measured. Returns the medians of the predicted, of the
+    simulated and of their ratio, over the checks whose window had decodes with
+    prompts beside them (nan: none).
+
+    Compared over the whole run instead, a load that changes (silence, then a
+    burst) weights the simulated ratio to its busiest minutes while the
+    predictions' median falls on a quiet one: silence-burst on 4 replicas read
+    11.2 predicted against 33.6 simulated, 1.00x window by window.
+    """
+    seconds = np.array(sorted(by_second), dtype=np.int64)
+    if seconds.size == 0:
+        return math.nan, math.nan, math.nan
+    cells = np.array([by_second[int(t)] for t in seconds], dtype=np.float64)
+    decodes, beside = np.cumsum(cells[:, 0]), np.cumsum(cells[:, 1])
+    predicted, simulated = [], []
+    for t, pred in checks:
+        lo, hi = np.searchsorted(seconds, [t - window_s, t])
+        if hi <= lo:
+            continue
+        d = decodes[hi - 1] - (decodes[lo - 1] if lo else 0.0)
+        b = beside[hi - 1] - (beside[lo - 1] if lo else 0.0)
+        if d > 0.0 and b > 0.0:
+            predicted.append(pred)
+            simulated.append(b / d)
+    if not simulated:
+        return math.nan, math.nan, math.nan
+    ratios = [p / s for p, s in zip(predicted, simulated, strict=True)]
+    return (
+        float(statistics.median(predicted)),
+        float(statistics.median(simulated)),
+        float(statistics.median(ratios)),
+    )
 
 
 def across_matrix(rows: list[dict[str, object]]) -> dict[str, dict[str, float]]:
@@ -213,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'run':28} {'held':>7} {'TTFT mean':>9} {'TTFT p99':>8} {'(error)':>7} "
         f"{'ITL p99':>8} {'(error)':>7} {'>TTFT':>6} {'>ITL':>6} {'windows':>7} "
-        f"{'prompt tokens a decode sees: pred':>33} {'sim':>6}"
+        f"{'prompt tokens a decode sees: pred':>33} {'sim':>6} {'ratio':>6}"
     )
     for row in rows:
         print(
@@ -223,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['median_error_itl_p99']:7.1%} {row['share_above_predicted_ttft_p99']:6.1%} "
             f"{row['share_above_predicted_itl_p99']:6.1%} {row['windows']:7.0f} "
             f"{row['prefill_tokens_per_decode_predicted']:33.1f} "
-            f"{row['prefill_tokens_per_decode_simulated']:6.1f}"
+            f"{row['prefill_tokens_per_decode_simulated']:6.1f} "
+            f"{row['prefill_tokens_per_decode_ratio']:6.2f}"
         )
     report: dict[str, object] = {"args": vars(args), "runs": rows}
     if across:

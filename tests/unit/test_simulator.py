@@ -138,6 +138,10 @@ def test_the_engine_counts_the_prompt_tokens_beside_its_decodes() -> None:
     beside = sum(s.num_decode_requests * s.sum_prefill_tokens for s in scheds)
     assert beside > 0
     assert engine.prefill_tokens_beside_decodes == beside
+    # The same per second of each pass's end, and the decode tokens beside them.
+    by_second = engine.beside_by_second
+    assert sum(b for _, b in by_second.values()) == beside
+    assert sum(d for d, _ in by_second.values()) == sum(s.num_decode_requests for s in scheds)
 
 
 def test_max_num_seqs_queues_the_rest() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -130,6 +130,19 @@ class SimResult:
     steps: int
     fpm_messages: int
     prefill_tokens_beside_decodes: int = 0  # see SimEngine
+    # Per second, fleet-wide: [decode tokens, prompt tokens computed beside them].
+    beside_by_second: dict[int, list[int]] = field(default_factory=dict)
+
+
+def _summed_by_second(parts: Iterable[dict[int, list[int]]]) -> dict[int, list[int]]:
+    """Per-second [decode tokens, prompt tokens beside them] of the replicas, summed."""
+    total: dict[int, list[int]] = {}
+    for part in parts:
+        for second, (decodes, beside) in part.items():
+            cell = total.setdefault(second, [0, 0])
+            cell[0] += decodes
+            cell[1] += beside
+    return total
 
 
 class Fleet:
@@ -390,6 +403,7 @@ class Fleet:
             prefill_tokens_beside_decodes=sum(
                 r.engine.prefill_tokens_beside_decodes for r in self.replicas
             ),
+            beside_by_second=_summed_by_second(r.engine.beside_by_second for r in self.replicas),
         )
 
     def _record_timeline(self, now: float) -> None:
