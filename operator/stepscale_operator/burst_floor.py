@@ -101,14 +101,6 @@ class BurstMemory:
         """Start from bursts seen before (see :meth:`onsets`), on this clock."""
         self._recurrence.restore(onsets)
 
-    def _rise_is_real(self, before: list[_Need], low: int, load: LoadEstimate) -> bool:
-        """Whether the demand rose from the latest low point's by more than the
-        windows' sampling noise (see :mod:`~stepscale_operator.demand_rise`). A need
-        that jumps while the arrivals do not is a few long prompts in one window, and
-        keeping its peak for ``burst_memory_s`` holds capacity no burst asked for."""
-        at_low = max((r for r in before if r.replicas == low), key=lambda r: r.time)
-        return demand_rise_z(at_low.load, load) >= self.settings.burst_min_z
-
     def floor(
         self,
         now: float,
@@ -156,16 +148,21 @@ class BurstMemory:
         first = first_decision if first_decision is not None else now
         warmed = first + horizon
         before = [r for r in self._needs if r.time >= max(now - horizon, warmed)]
-        low = min(r.replicas for r in before) if before else needed
+        # The low point: the latest of the lowest needs (the rise began after it).
+        at_low = max(before, key=lambda r: (-r.replicas, r.time)) if before else None
+        low = at_low.replicas if at_low is not None else needed
         if (
-            needed - low >= policy.burst_min_step
+            at_low is not None
+            and needed - low >= policy.burst_min_step
             and needed >= policy.burst_ratio * max(low, 1)
-            and self._rise_is_real(before, low, load)
+            # A need that jumps while the arrivals and their prompt tokens did not
+            # rise beyond the windows' sampling noise is a few long prompts in one
+            # window; keeping its peak would hold capacity no burst asked for.
+            and demand_rise_z(at_low.load, load) >= policy.burst_min_z
         ):
             new_burst = self._last_burst is None or now - self._last_burst > horizon
             self._last_burst = now
-            # The rise began after the last time the need was at its low.
-            self._burst_began = max(r.time for r in before if r.replicas == low)
+            self._burst_began = at_low.time
             if new_burst:
                 # Its beat: when the need crossed halfway up. The low point's time
                 # wanders with the noise of the need before the burst (3, 4, 3...),

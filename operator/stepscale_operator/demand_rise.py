@@ -12,7 +12,9 @@ context, about one prompt a second of lognormal lengths: the need read 3, then
 
 :func:`demand_rise_z` is how many standard errors the later estimate's demand
 lies above the earlier one's, on the request rate and on the prompt tokens (the
-larger). Pure arithmetic, no state.
+larger). Longer outputs at the same arrivals are not tested: their noise would
+need the output lengths' spread, and a need that rises with them is still
+followed, only not remembered as a burst. Pure arithmetic, no state.
 """
 
 from __future__ import annotations
