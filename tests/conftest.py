@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import socket
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DIR = REPO_ROOT.parent / "shared"
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (loaded once), its folder importable as
+    the benchmarks import each other."""
+    if name in sys.modules:
+        return sys.modules[name]
+    folder = str(REPO_ROOT / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _ephemeral_ports_start() -> int:

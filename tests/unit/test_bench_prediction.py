@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import benchmark_module
 
 
 def _bench() -> ModuleType:
-    """benchmarks/bench_prediction.py as a module."""
-    name = "bench_prediction"
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("bench_prediction")
 
 
 def test_a_prediction_is_judged_on_the_window_it_measured() -> None:

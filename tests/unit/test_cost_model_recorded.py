@@ -26,10 +26,8 @@ recorder itself; EW-OLS 10.6-19.8%, the fair comparison), each with its recorder
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -39,6 +37,7 @@ import pytest
 
 from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics
 from stepscale_operator.cost_model import CostModel, regime_ids, sched_matrix
+from tests.conftest import benchmark_module
 
 REPO = Path(__file__).resolve().parents[2]
 RECORDING = REPO / "tests" / "data" / "fpm_recording_contended_tight.jsonl.gz"
@@ -53,15 +52,7 @@ MAX_MAPE_OVER_BASELINE = 0.5
 
 def _bench() -> ModuleType:
     """benchmarks/bench_cost_model.py as a module (the baseline and floor live there)."""
-    name = "bench_cost_model"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("bench_cost_model")
 
 
 @functools.cache

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from stepscale_operator.demand_rise import demand_rise_z, prompt_second_moment
-from stepscale_operator.load_types import PROMPT_BIN_EDGES, LoadEstimate
+from stepscale_operator.load_types import (
+    LoadEstimate,
+    prompt_bin_tokens_of,
+    prompt_histogram_of,
+)
 
 
 def window(
@@ -22,12 +26,7 @@ def window(
     """A 30 s estimate at ``requests_per_s`` whose prompts are ``mix`` ((length, share)
     pairs, as the histogram holds them); ``tokens_scale`` scales its token rate alone
     (a window that drew more of the long prompts)."""
-    counts = [0.0] * len(PROMPT_BIN_EDGES)
-    tokens = [0.0] * len(PROMPT_BIN_EDGES)
-    for length, share in mix:
-        i = bisect.bisect_right(PROMPT_BIN_EDGES, length) - 1
-        counts[i] += 100.0 * share
-        tokens[i] += 100.0 * share * length
+    lengths = np.concatenate([np.full(round(100 * share), length) for length, share in mix])
     mean = sum(length * share for length, share in mix)
     return LoadEstimate(
         window_s=window_s,
@@ -43,8 +42,8 @@ def window(
         queued_prefill_requests=0.0,
         queued_prefill_tokens=0.0,
         queued_decode_requests=0.0,
-        prompt_histogram=tuple(counts),
-        prompt_bin_tokens=tuple(tokens),
+        prompt_histogram=prompt_histogram_of(lengths),
+        prompt_bin_tokens=prompt_bin_tokens_of(lengths),
     )
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import bisect
 import json
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from stepscale_engine.wire import ScheduledRequestMetrics
@@ -19,7 +19,12 @@ from stepscale_operator.latency_model import (
     replica_dispersion_at,
     smallest_replicas_within_slo,
 )
-from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, PROMPT_BIN_EDGES, LoadEstimate
+from stepscale_operator.load_types import (
+    OUTPUT_INTERVAL_BINS,
+    LoadEstimate,
+    prompt_bin_tokens_of,
+    prompt_histogram_of,
+)
 from stepscale_operator.planner import (
     Planner,
     PlannerInputs,
@@ -978,18 +983,12 @@ def _long_tail_load(requests_per_s: float, tokens_scale: float = 1.0) -> LoadEst
     """Long-context traffic: four prompts in five of 2k tokens, one of 126k, as the
     prompt histogram holds them; ``tokens_scale`` scales the window's prompt tokens
     alone (a window that drew more of the long prompts)."""
-    counts = [0.0] * len(PROMPT_BIN_EDGES)
-    tokens = [0.0] * len(PROMPT_BIN_EDGES)
-    mix = ((1000.0, 1.0 - LONG_SHARE), (126000.0, LONG_SHARE))
-    for length, share in mix:
-        i = bisect.bisect_right(PROMPT_BIN_EDGES, length) - 1
-        counts[i] += 100.0 * share
-        tokens[i] += 100.0 * share * length
-    mean = sum(length * share for length, share in mix)
+    long = round(100 * LONG_SHARE)
+    lengths = np.array([1000.0] * (100 - long) + [126000.0] * long)
     return replace(
-        load_of(requests_per_s, prompt=mean * tokens_scale),
-        prompt_histogram=tuple(counts),
-        prompt_bin_tokens=tuple(tokens),
+        load_of(requests_per_s, prompt=float(lengths.mean()) * tokens_scale),
+        prompt_histogram=prompt_histogram_of(lengths),
+        prompt_bin_tokens=prompt_bin_tokens_of(lengths),
     )
 
 
