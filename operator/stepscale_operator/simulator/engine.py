@@ -129,13 +129,11 @@ class SimEngine:
         self._run_decode_kv0 = 0.0
 
         self.steps = 0
-        # Over every pass, its decode requests times the prompt tokens it computed:
-        # over the decode tokens, the prompt tokens a decode token's pass carried
-        # (what delays it; bench_prediction.py sets it against the latency model's).
-        self.prefill_tokens_beside_decodes = 0
-        # The same per second of the run's end (second -> [decode tokens, prompt tokens
-        # beside them]): a time-varying load's ratio must be compared window by
-        # window, since the whole run's is weighted to its busiest minutes.
+        # Per second of each run's end: [decode tokens, prompt tokens beside them]
+        # (over every pass, its decode requests times the prompt tokens it computed).
+        # Their ratio is the prompt tokens a decode token's pass carried, what delays
+        # it; bench_prediction.py sets it against the latency model's window by
+        # window, since over a whole run a changing load weighs its busiest minutes.
         self.beside_by_second: dict[int, list[int]] = {}
         self.busy_s = 0.0
 
@@ -339,12 +337,10 @@ class SimEngine:
                     )
                     self._emit(ends[i], walls[i], sched, queued)
         self.steps += n_passes
-        beside = batch * sum(t for _, t in self._run_prefill) if self._run_prefill else 0
-        self.prefill_tokens_beside_decodes += beside
         if batch:
             cell = self.beside_by_second.setdefault(int(end), [0, 0])
             cell[0] += batch * n_passes
-            cell[1] += beside
+            cell[1] += batch * sum(t for _, t in self._run_prefill)
         self.busy_s += end - self._run_start_s
         self._pass = start + n_passes
 

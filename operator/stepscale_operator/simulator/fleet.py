@@ -129,8 +129,8 @@ class SimResult:
     decisions: list[dict[str, object]]
     steps: int
     fpm_messages: int
-    prefill_tokens_beside_decodes: int = 0  # see SimEngine
-    # Per second, fleet-wide: [decode tokens, prompt tokens computed beside them].
+    # Per second, fleet-wide: [decode tokens, prompt tokens computed beside them]
+    # (see SimEngine).
     beside_by_second: dict[int, list[int]] = field(default_factory=dict)
 
 
@@ -400,9 +400,6 @@ class Fleet:
             decisions=self.decisions,
             steps=sum(r.engine.steps for r in self.replicas),
             fpm_messages=self.fpm_messages,
-            prefill_tokens_beside_decodes=sum(
-                r.engine.prefill_tokens_beside_decodes for r in self.replicas
-            ),
             beside_by_second=_summed_by_second(r.engine.beside_by_second for r in self.replicas),
         )
 
