@@ -262,9 +262,14 @@ def _shape_rules(
         if err is None or bias is None:
             add(criterion, "no steady window to compare", None)
             continue
+        # What a window's size alone costs a perfect prediction (a floor; see
+        # sample_p99_error): shown beside the error, not taken off it.
+        floor = acc.get(f"sampling_error_{metric}_p99")
+        floor_words = "" if floor is None else f" (a window's sample p99 alone: >= {floor:.1%})"
         add(
             criterion,
-            f"error {err:.1%}, bias {bias:+.1%} over {acc.get('windows', 0):.0f} windows",
+            f"error {err:.1%}{floor_words}, bias {bias:+.1%} over "
+            f"{acc.get('windows', 0):.0f} windows",
             err <= P99_ERROR_LIMIT and abs(bias) <= P99_BIAS_LIMIT,
         )
     if scenario == SHARED_TRACE and oracle is not None and oracle.gpu_hours > 0.0:

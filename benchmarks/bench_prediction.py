@@ -5,10 +5,12 @@ resizing; here the planner's model predicts every 5 s for a fleet held at a
 fixed size (``scenario@n``), or for the planner's own choices (``scenario@0``,
 starting at ``--start``), so an error in the queueing model shows apart from the
 planner's moves. Per 30 s window, as ``prediction_errors`` compares them: the
-median bias and error of the predicted mean and p99 TTFT and p99 ITL, and the
-pooled share of requests above their window's predicted p99 TTFT and ITL (1%
-when calibrated). Also the prompt tokens computed in a decode token's pass, on
-average (what delays the decodes): what the latency model puts it at (median over
+median bias and error of the predicted mean and p99 TTFT and p99 ITL, beside
+each p99 error its floor (what a window's size alone costs a prediction of its
+true p99: the bootstrap's, which is at most that), and the pooled share of
+requests above their window's predicted p99 TTFT and ITL (1% when calibrated).
+Also the prompt tokens computed in a decode token's pass, on average (what
+delays the decodes): what the latency model puts it at (median over
 its predictions: a mean step's prompt tokens times the router's exposure) and what
 the simulated engines did over the window each prediction measured (the medians
 over windows, and the median of their ratio). Prints a table; writes
@@ -66,6 +68,8 @@ KEYS = (
     "median_error_ttft_p99",
     "median_bias_itl_p99",
     "median_error_itl_p99",
+    "sampling_error_ttft_p99",
+    "sampling_error_itl_p99",
     "share_above_predicted_ttft_p99",
     "share_above_predicted_itl_p99",
     "windows",
@@ -253,16 +257,18 @@ def main(argv: list[str] | None = None) -> int:
     with Pool(args.workers) as pool:
         rows = pool.map(run_one, jobs)
     print(
-        f"{'run':28} {'held':>7} {'TTFT mean':>9} {'TTFT p99':>8} {'(error)':>7} "
-        f"{'ITL p99':>8} {'(error)':>7} {'>TTFT':>6} {'>ITL':>6} {'windows':>7} "
+        f"{'run':28} {'held':>7} {'TTFT mean':>9} {'TTFT p99':>8} {'(error)':>7} {'(floor)':>7} "
+        f"{'ITL p99':>8} {'(error)':>7} {'(floor)':>7} {'>TTFT':>6} {'>ITL':>6} {'windows':>7} "
         f"{'prompt tokens a decode sees: pred':>33} {'sim':>6} {'ratio':>6}"
     )
     for row in rows:
         print(
             f"{row['run']:28} {row['replicas_median']:7.0f} "
             f"{row['median_bias_ttft_mean']:+9.1%} {row['median_bias_ttft_p99']:+8.1%} "
-            f"{row['median_error_ttft_p99']:7.1%} {row['median_bias_itl_p99']:+8.1%} "
-            f"{row['median_error_itl_p99']:7.1%} {row['share_above_predicted_ttft_p99']:6.1%} "
+            f"{row['median_error_ttft_p99']:7.1%} {row['sampling_error_ttft_p99']:7.1%} "
+            f"{row['median_bias_itl_p99']:+8.1%} "
+            f"{row['median_error_itl_p99']:7.1%} {row['sampling_error_itl_p99']:7.1%} "
+            f"{row['share_above_predicted_ttft_p99']:6.1%} "
             f"{row['share_above_predicted_itl_p99']:6.1%} {row['windows']:7.0f} "
             f"{row['prefill_tokens_per_decode_predicted']:33.1f} "
             f"{row['prefill_tokens_per_decode_simulated']:6.1f} "

@@ -48,6 +48,7 @@ from stepscale_operator.simulator.policies import (
     WindowedOraclePolicy,
     arrival_rate_series,
     prediction_errors,
+    sample_p99_error,
 )
 from stepscale_operator.simulator.publish import SimulatedPodPublishers, pod_host
 from stepscale_operator.simulator.report import (
@@ -421,6 +422,7 @@ def test_planner_predictions_match_the_simulation_on_steady_traffic() -> None:
     assert errors["median_error_itl_mean"] <= 0.10
     # Pooled over the windows, about 1% of requests exceed their predicted p99.
     assert 0.001 < errors["share_above_predicted_ttft_p99"] < 0.05
+    assert 0.0 < errors["sampling_error_ttft_p99"] < 0.5
     # The comparison can fail: predictions 30% off are reported as such.
     for check in policy.checks:
         check.ttft_mean_ms *= 1.3
@@ -429,6 +431,27 @@ def test_planner_predictions_match_the_simulation_on_steady_traffic() -> None:
     off = prediction_errors(policy, result)
     assert off["median_error_ttft_mean"] > 0.10 and off["median_error_itl_mean"] > 0.10
     assert off["share_above_predicted_ttft_p99"] > 0.05
+
+
+def test_a_small_windows_p99_is_off_by_at_least_its_sampling_error() -> None:
+    # Windows of lognormal latencies whose true p99 is known: a prediction of exactly
+    # that p99 is still off against each window's sample p99. The bootstrap error is
+    # a floor under that (it cannot see past the window's worst value), and shrinks
+    # as the windows grow.
+    rng = np.random.default_rng(1)
+    true_p99 = float(np.exp(1.5 * 2.3263))
+    floors: dict[int, float] = {}
+    for n in (50, 5000):
+        boot, exact = [], []
+        for _ in range(60):
+            values = rng.lognormal(0.0, 1.5, n)
+            boot.append(sample_p99_error(values, np.random.default_rng(0)))
+            sample = float(np.percentile(values, 99))
+            exact.append(abs(true_p99 - sample) / sample)
+        floors[n] = float(np.median(boot))
+        assert 0.0 < floors[n] <= float(np.median(exact))
+    assert floors[50] > 0.15 > 0.06 > floors[5000]
+    assert sample_p99_error(np.array([3.0]), rng) == 0.0
 
 
 def test_dynamo_style_counts_a_starting_replica_as_coming_capacity() -> None:

@@ -419,6 +419,23 @@ class PlannerDrivenPolicy:
         return decision.desired_replicas if decision.apply else decision.current_replicas
 
 
+def sample_p99_error(
+    values: npt.NDArray[np.float64], rng: np.random.Generator, draws: int = 200
+) -> float:
+    """The median relative error of a sample's p99 as an estimate of its population's:
+    ``|p99(resample) - p99(sample)| / p99(sample)`` over bootstrap resamples of
+    ``values``. What a prediction that knew the true p99 exactly would still show
+    against a window this small (0 for fewer than two values)."""
+    if values.size < 2:
+        return 0.0
+    sample = float(np.percentile(values, 99))
+    if sample <= 0.0:
+        return 0.0
+    resampled = rng.choice(values, size=(draws, values.size), replace=True)
+    p99s = np.percentile(resampled, 99, axis=1)
+    return float(np.median(np.abs(p99s - sample)) / sample)
+
+
 def prediction_errors(
     policy: PlannerDrivenPolicy, result: SimResult, window_s: float = 30.0, min_requests: int = 50
 ) -> dict[str, float]:
@@ -435,6 +452,10 @@ def prediction_errors(
     30 s window of a few dozen long prompts has a sample p99 that falls short of the
     traffic's at the median window (0.90 of the 5-minute p99 prompt on the
     long-context and heavy-prompt scenarios), which the pooled share does not.
+    ``sampling_error_{ttft,itl}_p99``: the median over the windows of
+    :func:`sample_p99_error`, the error a prediction of each window's true p99
+    would show from the window's size alone (the p99 of 50 requests is nearly
+    their worst one).
     """
     lat = request_latencies(result)
     arrival = result.traffic.arrival_s
@@ -442,6 +463,8 @@ def prediction_errors(
         k: [] for k in ("ttft_mean", "itl_mean", "ttft_p99", "itl_p99")
     }
     above = {"ttft": [0, 0], "itl": [0, 0]}  # requests above the predicted p99, compared
+    sampling: dict[str, list[float]] = {"ttft": [], "itl": []}
+    rng = np.random.default_rng(0)  # the same resamples run to run
     history: list[tuple[float, int]] = []
     for check in policy.checks:
         history.append((check.time, check.replicas))
@@ -466,10 +489,14 @@ def prediction_errors(
         for key, values, limit in (("ttft", ttft, check.ttft_ms), ("itl", itl, check.itl_ms)):
             above[key][0] += int((values > limit).sum())
             above[key][1] += int(values.size)
+            sampling[key].append(sample_p99_error(values, rng))
     out = {f"median_error_{k}": float(np.median(np.abs(v))) for k, v in errors.items() if v}
     out.update({f"median_bias_{k}": float(np.median(v)) for k, v in errors.items() if v})
     for key, (count, total) in above.items():
         if total:
             out[f"share_above_predicted_{key}_p99"] = count / total
+    for key, floors in sampling.items():
+        if floors:
+            out[f"sampling_error_{key}_p99"] = float(np.median(floors))
     out["windows"] = float(len(errors["itl_mean"]))
     return out
