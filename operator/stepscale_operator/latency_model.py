@@ -363,23 +363,67 @@ def _own_context_shifts(
     )
 
 
-def predict_latency(
-    predictor: StepTimePredictor,
-    load: PerReplicaLoad,
-    engine: EngineLimits,
-    policy: LatencySettings,
-    replicas: int = 1,
-    ttft_limit_ms: float | None = None,
-) -> LatencyPrediction:
-    """Steady-state TTFT/ITL of one replica carrying ``load`` (see module docstring).
+@dataclass(frozen=True)
+class _Passes:
+    """One replica's pass times, as the step-time predictor gives them."""
 
-    With a measured prompt-length distribution (``load.prompt_lengths``) the
-    prefill service time is averaged over it (attention grows with the context,
-    so the mean prompt's time is too low), its CV^2 is measured rather than
-    assumed, and the TTFT quantile is taken over the distribution. Prompts whose
-    prefill alone exceeds ``ttft_limit_ms`` on an idle replica still load it, but
-    the TTFT quantile is over the others (see ``unreachable_share``).
-    """
+    predictor: StepTimePredictor
+    context: float  # the mean decode request's context, tokens
+    cached: float  # the mean prompt's cached tokens
+
+    def time(self, batch: float, chunk: float, prior_kv: float, own_kv: float = 0.0) -> float:
+        """A pass of ``batch`` decodes and one prefill ``chunk`` after ``prior_kv``
+        tokens; ``own_kv``: one decode request's context over the mean one's."""
+        # The predictor takes whole requests; interpolate between the two batch
+        # sizes around a fractional mean so the fixed point moves smoothly.
+        low = math.floor(batch)
+        weight = batch - low
+
+        def at(b: int) -> float:
+            return self.predictor.predict(
+                ScheduledRequestMetrics(
+                    num_prefill_requests=1 if chunk > 0.0 else 0,
+                    sum_prefill_tokens=int(round(chunk)),
+                    sum_prefill_kv_tokens=int(round(prior_kv)),
+                    num_decode_requests=b,
+                    sum_decode_kv_tokens=(
+                        int(round(max(b * self.context + own_kv, 0.0))) if b else 0
+                    ),
+                )
+            )
+
+        base = at(low)
+        return base if weight <= 1e-9 else base + weight * (at(low + 1) - base)
+
+    def decode(self, batch: float) -> float:
+        """A pass of ``batch`` decodes and no prefill."""
+        return self.time(batch, 0.0, 0.0)
+
+    def prefill(self, length: float, room: float, batch: float) -> tuple[float, float]:
+        """(chunks, time of one chunk's pass) for a prompt of ``length`` computed tokens."""
+        # Fractional chunk count keeps the prediction monotone in the load.
+        chunks = max(1.0, length / room)
+        chunk = length / chunks
+        return chunks, self.time(batch, max(chunk, 1.0), self.cached + chunk * (chunks - 1.0) / 2.0)
+
+
+@dataclass(frozen=True)
+class _SteadyStep:
+    """The fixed point of the mean step and the decode batch it implies."""
+
+    step: float  # mean step, seconds
+    batch: float  # decode requests held, over time
+    pass_batch: float  # decodes in a pass (at least one while there is decode work)
+    chunk_room: float  # prompt tokens a pass has room for beside its decodes
+    decode_s: float  # a pass of the mean batch without prefill
+    # Per prompt-length class: (chunks, one chunk's pass, seconds, probability).
+    prefills: list[tuple[float, float, float]]
+
+
+def _prompt_classes(load: PerReplicaLoad) -> tuple[float, float, list[tuple[float, float]]]:
+    """(prompt rate, computed tokens per prompt, (computed tokens, probability) per
+    prompt-length class): the measured lengths (full prompts) scaled to the computed
+    mean, or the mean alone."""
     rate = load.prefill_requests_per_s
     tokens = load.prefill_tokens_per_s
     if rate <= 0.0 and tokens > 0.0:
@@ -387,67 +431,43 @@ def predict_latency(
     # Tokens actually computed per prompt; the cached part only adds KV reads.
     prompt = tokens / rate if rate > 0.0 else max(load.mean_prompt_tokens, 1.0)
     prompt = max(prompt, 1.0)
-    cached = load.mean_cached_tokens
-    context = load.mean_decode_context_tokens
-    budget = engine.max_num_batched_tokens
-    # Computed tokens per prompt, by prompt-length class: the measured lengths
-    # (full prompts) scaled to the computed mean, or the mean alone.
     if load.prompt_lengths:
         full_mean = sum(length * p for length, p in load.prompt_lengths)
         scale = prompt / full_mean if full_mean > 0.0 else 1.0
-        classes = [(max(length * scale, 1.0), p) for length, p in load.prompt_lengths]
-    else:
-        classes = [(prompt, 1.0)]
+        return rate, prompt, [(max(length * scale, 1.0), p) for length, p in load.prompt_lengths]
+    return rate, prompt, [(prompt, 1.0)]
 
-    def pass_time(batch: float, chunk: float, prior_kv: float, own_kv: float = 0.0) -> float:
-        # The predictor takes whole requests; interpolate between the two batch
-        # sizes around a fractional mean so the fixed point moves smoothly.
-        # ``own_kv``: one decode request's context over the mean one's.
-        low = math.floor(batch)
-        weight = batch - low
 
-        def at(b: int) -> float:
-            return predictor.predict(
-                ScheduledRequestMetrics(
-                    num_prefill_requests=1 if chunk > 0.0 else 0,
-                    sum_prefill_tokens=int(round(chunk)),
-                    sum_prefill_kv_tokens=int(round(prior_kv)),
-                    num_decode_requests=b,
-                    sum_decode_kv_tokens=int(round(max(b * context + own_kv, 0.0))) if b else 0,
-                )
-            )
-
-        base = at(low)
-        return base if weight <= 1e-9 else base + weight * (at(low + 1) - base)
-
-    def decode_pass(batch: float) -> float:
-        return pass_time(batch, 0.0, 0.0)
-
-    def prefill_of(length: float, room: float, batch: float) -> tuple[float, float]:
-        """(chunks, time of one chunk's pass) for a prompt of ``length`` computed tokens."""
-        # Fractional chunk count keeps the prediction monotone in the load.
-        chunks = max(1.0, length / room)
-        chunk = length / chunks
-        return chunks, pass_time(batch, max(chunk, 1.0), cached + chunk * (chunks - 1.0) / 2.0)
-
-    step = max(decode_pass(1.0), 1e-6)
+def _steady_step(
+    passes: _Passes,
+    load: PerReplicaLoad,
+    engine: EngineLimits,
+    rate: float,
+    prompt: float,
+    classes: list[tuple[float, float]],
+    replicas: int,
+) -> _SteadyStep | LatencyPrediction:
+    """The mean step ``s`` with ``B = decode_tokens_per_s * s`` decodes and the
+    prompts' extra prefill work (module docstring), or the overload that stops it."""
+    step = max(passes.decode(1.0), 1e-6)
     batch = 0.0
     f_d = step
-    chunk_room = float(budget)
-    prefills = [(1.0, step, 1.0)]  # (chunks, chunk pass time, probability) per class
+    pass_batch = 0.0
+    chunk_room = float(engine.max_num_batched_tokens)
+    prefills = [(1.0, step, 1.0)]
     for _ in range(_FIXED_POINT_ITERATIONS):
         batch = load.decode_tokens_per_s * step
         if batch > engine.max_num_seqs:
             return _overloaded(replicas, "max_num_seqs", step, batch)
-        if batch * context + prompt + cached > engine.kv_capacity_tokens:
+        if batch * passes.context + prompt + passes.cached > engine.kv_capacity_tokens:
             return _overloaded(replicas, "kv_capacity", step, batch)
         # At least one decode in the pass whenever there is decode work at all.
         pass_batch = max(batch, 1.0) if load.decode_tokens_per_s > 0.0 else 0.0
-        chunk_room = budget - math.ceil(pass_batch)
+        chunk_room = engine.max_num_batched_tokens - math.ceil(pass_batch)
         if chunk_room < 1:
             return _overloaded(replicas, "token_budget", step, batch)
-        f_d = decode_pass(pass_batch)
-        prefills = [(*prefill_of(length, chunk_room, pass_batch), p) for length, p in classes]
+        f_d = passes.decode(pass_batch)
+        prefills = [(*passes.prefill(length, chunk_room, pass_batch), p) for length, p in classes]
         extra_share = rate * sum(p * n * max(f - f_d, 0.0) for n, f, p in prefills)
         if extra_share >= 1.0:
             return _overloaded(replicas, "prefill_compute", step, batch)
@@ -458,11 +478,39 @@ def predict_latency(
         step = new_step
         if converged:
             break
+    return _SteadyStep(step, batch, pass_batch, chunk_room, f_d, prefills)
 
-    q_tail = 1.0 - policy.latency_quantile
+
+@dataclass(frozen=True)
+class _PrefillQueue:
+    """What a prompt finds when it arrives: the prefill server's G/G/1 queue."""
+
+    services: list[tuple[float, float]]  # (prefill service, seconds; probability) per class
+    service: float  # mean prefill service time, seconds
+    service_cv2: float  # its CV^2 (measured over the classes, else the prior)
+    dispersion: float  # the fleet's arrival dispersion (1 when unmeasured)
+    residual: float  # the rest of a prefill in progress, on average
+    admitted_mean: float  # what a queued prompt adds to the wait behind it, seconds
+    rho_tokens: float  # the prefill server's utilisation, by queued tokens' cost
+    queued_per_busy: float  # prompts queued behind a busy replica, on average
+    busy: float  # chance a prompt is in progress where the router looks
+    pick: RouterPick
+
+
+def _prefill_queue(
+    passes: _Passes,
+    steady: _SteadyStep,
+    load: PerReplicaLoad,
+    policy: LatencySettings,
+    rate: float,
+    classes: list[tuple[float, float]],
+    replicas: int,
+) -> _PrefillQueue | LatencyPrediction:
+    """The prefill queue a prompt meets (module docstring), or the overload when
+    the prompts' tokens outrun the replica."""
     # Prefill service time per class, its mean and CV^2 (measured when the prompt
     # lengths are; else the mean prompt's time and the policy's prior CV^2).
-    services = [(n * f, p) for n, f, p in prefills]
+    services = [(n * f, p) for n, f, p in steady.prefills]
     service = sum(t * p for t, p in services)
     if len(services) > 1 and service > 0.0:
         service_cv2 = sum(p * (t - service) ** 2 for t, p in services) / service**2
@@ -476,15 +524,15 @@ def predict_latency(
     # what a queued prompt costs those behind it is its tokens at a full pass's
     # throughput (``admitted``), not a pass of its own (see _queued_prompt_cost).
     rho = rate * service
-    full_pass = pass_time(pass_batch, chunk_room, cached)
+    full_pass = passes.time(steady.pass_batch, steady.chunk_room, passes.cached)
     admitted = [
-        (_queued_prompt_cost(length, n, f, chunk_room, full_pass), p)
-        for (length, _), (n, f, p) in zip(classes, prefills, strict=True)
+        (_queued_prompt_cost(length, n, f, steady.chunk_room, full_pass), p)
+        for (length, _), (n, f, p) in zip(classes, steady.prefills, strict=True)
     ]
     admitted_mean = sum(t * p for t, p in admitted)
     rho_tokens = rate * admitted_mean
     if rho_tokens >= 1.0:
-        return _overloaded(replicas, "prefill_queue", step, batch)
+        return _overloaded(replicas, "prefill_queue", steady.step, steady.batch)
     # One replica's arrivals as measured (what the router leaves of the fleet's
     # clumping). Unmeasured: a balancing router taken to split each second's
     # arrivals evenly (the fleet's dispersion over ``replicas``), a random one to
@@ -514,78 +562,134 @@ def predict_latency(
     if policy.balanced_routing:
         clump = max(dispersion - 1.0, 0.0) * min(service, 1.0) / max(replicas, 1)
         busy = min(rho + clump, 1.0)
-        pick = least_loaded_queue(replicas, batch, busy, queued_per_busy)
+        pick = least_loaded_queue(replicas, steady.batch, busy, queued_per_busy)
     else:
         busy = min(rho, 1.0)
-        pick = RouterPick.at_random(busy, queued_per_busy, batch)
-    # ITL: mean step, plus the spread of a short request's mean: the prompts that
-    # arrive during its life are a compound count (dispersion of the arrivals,
-    # variability of their sizes).
+        pick = RouterPick.at_random(busy, queued_per_busy, steady.batch)
+    return _PrefillQueue(
+        services,
+        service,
+        service_cv2,
+        dispersion,
+        residual,
+        admitted_mean,
+        rho_tokens,
+        queued_per_busy,
+        busy,
+        pick,
+    )
+
+
+def _itl_tail(
+    passes: _Passes,
+    steady: _SteadyStep,
+    queue: _PrefillQueue,
+    load: PerReplicaLoad,
+    policy: LatencySettings,
+    rate: float,
+    replicas: int,
+) -> tuple[float, float]:
+    """(the ITL quantile, seconds; the router's exposure it took): the mean step,
+    plus the spread of a short request's mean."""
+    # The prompts that arrive during a request's life are a compound count
+    # (dispersion of the arrivals, variability of their sizes).
+    step, f_d, prefills = steady.step, steady.decode_s, steady.prefills
+    q_tail = 1.0 - policy.latency_quantile
     chunks_mean = sum(n * p for n, _, p in prefills)
     f_p = sum(n * f * p for n, f, p in prefills) / max(chunks_mean, 1e-9)
     prefill_step_share = min(rate * chunks_mean * step, 1.0)
-    exposure = 1.0  # every decode sees the prompts unless the router's is measured
-    variance_per_pass = prefill_step_share * (dispersion + service_cv2)
-    itl_mean = step
-    own_context = _own_context_shifts(load, f_d, lambda own: pass_time(pass_batch, 0.0, 0.0, own))
-    if load.output_intervals:
-        # Long outputs see the prompts that arrive while they decode, less those a
-        # balancing router sends to replicas with fewer requests (the measured
-        # deficit): the mean count scaled by the exposure. Some requests still see
-        # a long prompt and others none, so the count's variance is kept (a gamma mix
-        # of Poisson rates; in the bench it differs little from scaling both: bursty
-        # code's ITL error 35.9% -> 28.6%, silence-burst's bias +2.8% -> +7.3%).
-        # A thinned count (dispersion 1 + e (D - 1)) was tried again with the own
-        # context below: long context's p99 ITL bias -37.6% -> -22.5%, but bursty
-        # code's fleet shrank 6% and its attainment fell 99.31% -> 98.89%.
-        # Short outputs keep the chain: scaled there too, bursty code's p99 came out
-        # at 0.66 of the simulated.
-        # Measured at one count, carried to this one (see router_pick).
-        exposure = prefill_exposure_at(
-            load.prefill_pass_decode_deficit,
-            load.measured_replicas,
-            replicas,
-            batch,
-            busy,
-            queued_per_busy,
-            policy.balanced_routing,
-        )
-        # Measured output lengths: the quantile over them (short outputs set it).
-        itl_q = itl_quantile(
-            PassTimes(f_d, f_p, step),
-            PrefillPassChain.of(prefill_step_share, variance_per_pass),
-            load.output_intervals,
-            variance_per_pass,
-            q_tail,
-            PromptMix(
-                rate * step * exposure,
-                # The same variance; where the exposure exceeds the dispersion
-                # (batches below one) PromptMix keeps it at least Poisson's.
-                dispersion / max(exposure, 1e-3),
-                tuple((n, f - f_d, p) for n, f, p in prefills),
-            ),
-            # Decode tokens per prompt: the mean count of intervals.
-            load.decode_tokens_per_s / rate if rate > 0.0 else 0.0,
-            own_context,
-        )
-    else:
+    variance_per_pass = prefill_step_share * (queue.dispersion + queue.service_cv2)
+    own_context = _own_context_shifts(
+        load, f_d, lambda own: passes.time(steady.pass_batch, 0.0, 0.0, own)
+    )
+    if not load.output_intervals:
         # The prior: one request of a share of the mean output stands for the tail.
         mean_output = load.decode_tokens_per_s / rate if rate > 0.0 else 1.0
         tail_tokens = max(mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens)
         sd = max(f_p - f_d, 0.0) * math.sqrt(variance_per_pass / tail_tokens)
-        itl_q = normal_itl_quantile(step, sd, own_context, q_tail)
+        # Every decode sees the prompts: no router's exposure is measured.
+        return normal_itl_quantile(step, sd, own_context, q_tail), 1.0
+    # Long outputs see the prompts that arrive while they decode, less those a
+    # balancing router sends to replicas with fewer requests (the measured
+    # deficit): the mean count scaled by the exposure. Some requests still see
+    # a long prompt and others none, so the count's variance is kept (a gamma mix
+    # of Poisson rates; in the bench it differs little from scaling both: bursty
+    # code's ITL error 35.9% -> 28.6%, silence-burst's bias +2.8% -> +7.3%).
+    # A thinned count (dispersion 1 + e (D - 1)) was tried again with the own
+    # context below: long context's p99 ITL bias -37.6% -> -22.5%, but bursty
+    # code's fleet shrank 6% and its attainment fell 99.31% -> 98.89%.
+    # Short outputs keep the chain: scaled there too, bursty code's p99 came out
+    # at 0.66 of the simulated.
+    # Measured at one count, carried to this one (see router_pick).
+    exposure = prefill_exposure_at(
+        load.prefill_pass_decode_deficit,
+        load.measured_replicas,
+        replicas,
+        steady.batch,
+        queue.busy,
+        queue.queued_per_busy,
+        policy.balanced_routing,
+    )
+    # Measured output lengths: the quantile over them (short outputs set it).
+    itl_q = itl_quantile(
+        PassTimes(f_d, f_p, step),
+        PrefillPassChain.of(prefill_step_share, variance_per_pass),
+        load.output_intervals,
+        variance_per_pass,
+        q_tail,
+        PromptMix(
+            rate * step * exposure,
+            # The same variance; where the exposure exceeds the dispersion
+            # (batches below one) PromptMix keeps it at least Poisson's.
+            queue.dispersion / max(exposure, 1e-3),
+            tuple((n, f - f_d, p) for n, f, p in prefills),
+        ),
+        # Decode tokens per prompt: the mean count of intervals.
+        load.decode_tokens_per_s / rate if rate > 0.0 else 0.0,
+        own_context,
+    )
+    return itl_q, exposure
 
-    p_wait = pick.prefilling
-    wait_mean = p_wait * residual + pick.queued * admitted_mean
+
+@dataclass(frozen=True)
+class _TtftTail:
+    """The TTFT a prompt meets: mean, quantile, and the share no count serves in time."""
+
+    quantile_s: float
+    mean_s: float
+    # Share of prompts whose prefill alone, on an idle replica, exceeds the limit.
+    unreachable_share: float
+    # Of the others, the share predicted to exceed it (0: no limit asked about).
+    miss_share: float
+
+
+def _ttft_tail(
+    passes: _Passes,
+    steady: _SteadyStep,
+    queue: _PrefillQueue,
+    classes: list[tuple[float, float]],
+    engine: EngineLimits,
+    policy: LatencySettings,
+    ttft_limit_ms: float | None,
+) -> _TtftTail:
+    """The wait at the router's pick, the prefill service and half a decode pass:
+    mean and quantile, the quantile over the prompts a replica can serve in time."""
+    q_tail = 1.0 - policy.latency_quantile
+    f_d, services, service = steady.decode_s, queue.services, queue.service
+    p_wait = queue.pick.prefilling
+    wait_mean = p_wait * queue.residual + queue.pick.queued * queue.admitted_mean
     ttft_mean = wait_mean + service + f_d / 2.0
     unreachable = 0.0
     reachable = services
     if ttft_limit_ms is not None and len(services) > 1:
-        alone = [prefill_of(length, budget, 0.0) for length, _ in classes]
-        idle_floor = decode_pass(0.0)
+        alone = [
+            passes.prefill(length, engine.max_num_batched_tokens, 0.0) for length, _ in classes
+        ]
+        idle_floor = passes.decode(0.0)
         keep = [n * f + idle_floor <= ttft_limit_ms / 1e3 for n, f in alone]
         unreachable = sum(p for ok, (_, p) in zip(keep, services, strict=True) if not ok)
         reachable = [sp for ok, sp in zip(keep, services, strict=True) if ok]
+    exceed: Callable[[float], float] | None
     if len(services) > 1:
         mass = sum(p for _, p in reachable)
         if mass > 0.0:
@@ -606,20 +710,53 @@ def predict_latency(
     ttft_miss = 0.0
     if ttft_limit_ms is not None:
         ttft_miss = exceed(ttft_limit_ms / 1e3) if exceed is not None else 1.0
+    return _TtftTail(ttft_q, ttft_mean, unreachable, ttft_miss)
+
+
+def predict_latency(
+    predictor: StepTimePredictor,
+    load: PerReplicaLoad,
+    engine: EngineLimits,
+    policy: LatencySettings,
+    replicas: int = 1,
+    ttft_limit_ms: float | None = None,
+) -> LatencyPrediction:
+    """Steady-state TTFT/ITL of one replica carrying ``load`` (see module docstring).
+
+    With a measured prompt-length distribution (``load.prompt_lengths``) the
+    prefill service time is averaged over it (attention grows with the context,
+    so the mean prompt's time is too low), its CV^2 is measured rather than
+    assumed, and the TTFT quantile is taken over the distribution. Prompts whose
+    prefill alone exceeds ``ttft_limit_ms`` on an idle replica still load it, but
+    the TTFT quantile is over the others (see ``unreachable_share``).
+
+    In stages: the prompts' classes, the steady step, the prefill queue a prompt
+    meets, then the ITL and TTFT tails; an overload stops at the stage it shows in.
+    """
+    rate, prompt, classes = _prompt_classes(load)
+    passes = _Passes(predictor, load.mean_decode_context_tokens, load.mean_cached_tokens)
+    steady = _steady_step(passes, load, engine, rate, prompt, classes, replicas)
+    if isinstance(steady, LatencyPrediction):
+        return steady
+    queue = _prefill_queue(passes, steady, load, policy, rate, classes, replicas)
+    if isinstance(queue, LatencyPrediction):
+        return queue
+    itl_s, exposure = _itl_tail(passes, steady, queue, load, policy, rate, replicas)
+    ttft = _ttft_tail(passes, steady, queue, classes, engine, policy, ttft_limit_ms)
     return LatencyPrediction(
         replicas=replicas,
-        ttft_ms=ttft_q * 1e3,
-        itl_ms=itl_q * 1e3,
-        ttft_mean_ms=ttft_mean * 1e3,
-        itl_mean_ms=itl_mean * 1e3,
-        step_time_ms=step * 1e3,
-        decode_batch=batch,
-        prefill_utilisation=rho_tokens,
+        ttft_ms=ttft.quantile_s * 1e3,
+        itl_ms=itl_s * 1e3,
+        ttft_mean_ms=ttft.mean_s * 1e3,
+        itl_mean_ms=steady.step * 1e3,
+        step_time_ms=steady.step * 1e3,
+        decode_batch=steady.batch,
+        prefill_utilisation=queue.rho_tokens,
         bottleneck="",
-        unreachable_share=unreachable,
-        ttft_miss_share=ttft_miss,
-        prefill_service_ms=service * 1e3,
-        prefill_tokens_per_decode=rate * prompt * step * exposure,
+        unreachable_share=ttft.unreachable_share,
+        ttft_miss_share=ttft.miss_share,
+        prefill_service_ms=queue.service * 1e3,
+        prefill_tokens_per_decode=rate * prompt * steady.step * exposure,
     )
 
 
