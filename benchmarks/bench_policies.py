@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -474,9 +474,8 @@ def _run_one(job: tuple[str, str]) -> tuple[RunSummary, SimResult, dict[str, flo
     return run.summary, run.result, accuracy
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the comparison; returns 0."""
-    global _SEED
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with ``--quick`` applied."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -519,12 +518,18 @@ def main(argv: list[str] | None = None) -> int:
         args.burst_duration_s = min(args.burst_duration_s, 1200.0)
         args.slow_burst_duration_s = min(args.slow_burst_duration_s, 4200.0)
         args.shape_duration_s = min(args.shape_duration_s, 1200.0)
-    names = [n for n in args.policies.split(",") if n]
-    _SEED = args.seed
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return args
 
-    scenarios: list[tuple[str, Traffic, ScalingSetup]] = []
+
+Scenario = tuple[str, Traffic, ScalingSetup]
+Outcome = tuple[RunSummary, SimResult, dict[str, float]]
+# The bursts scenarios and their period (per-burst attainment is judged on them).
+BURST_PERIODS = {BURSTS: BURST_PERIOD_S, SLOW_BURSTS: SLOW_BURST_PERIOD_S}
+
+
+def build_scenarios(args: argparse.Namespace) -> tuple[list[Scenario], Traffic | None]:
+    """The scenarios the arguments ask for, and the raw trace (None without it)."""
+    scenarios: list[Scenario] = []
     raw_trace: Traffic | None = None
     if TRACE.exists():
         raw_trace = load_azure_csv(TRACE)
@@ -534,7 +539,6 @@ def main(argv: list[str] | None = None) -> int:
             scenarios.append((f"azure-conv-x{scale:g}", scaled, SETUP))
     else:
         print(f"(no trace at {TRACE}: synthetic scenario only)", file=sys.stderr)
-    burst_periods = {BURSTS: BURST_PERIOD_S, SLOW_BURSTS: SLOW_BURST_PERIOD_S}
     bursts = readme.BURSTS.traffic(args.burst_duration_s, args.burst_rps, seed=args.seed)
     scenarios.append((BURSTS, bursts, SETUP))
     if args.slow_burst_duration_s > 0.0:
@@ -547,12 +551,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         wanted = set(args.only.split(","))
         scenarios = [sc for sc in scenarios if sc[0] in wanted]
+    return scenarios, raw_trace
 
-    began = time.perf_counter()
+
+def size_scenarios(
+    scenarios: list[Scenario], seed: int
+) -> tuple[dict[str, dict[str, object]], dict[str, list[str]]]:
+    """Each scenario's ground-truth sizing (kept for the workers) and static sweep."""
     sizings: dict[str, dict[str, object]] = {}
     sweeps: dict[str, list[str]] = {}
     for name, traffic, setup in scenarios:
-        sizing = ground_truth_sizing(traffic, setup, H100_LLAMA_8B, seed=args.seed)
+        sizing = ground_truth_sizing(traffic, setup, H100_LLAMA_8B, seed=seed)
         _SCENARIOS[name] = (traffic, sizing, setup)
         sweeps[name] = static_sweep(sizing)
         sizings[name] = {
@@ -573,27 +582,41 @@ def main(argv: list[str] | None = None) -> int:
             f"peak need {sizing.needs.max()}; static sweep {sweeps[name]}",
             file=sys.stderr,
         )
+    return sizings, sweeps
 
-    # The burst memory alone (``ours@memory``) differs from ours only on bursts.
-    # The extra settings (the Dynamo headroom sweep, ours@memory) run on the
-    # scenarios they were made for; every scenario gets the static sweep and the
-    # hindsight reference (cheap: no FPM), which shows what a rise faster than pods
-    # start costs a policy that reacts to it exactly.
+
+def plan_jobs(
+    scenarios: list[Scenario], names: list[str], sweeps: dict[str, list[str]]
+) -> list[tuple[str, str]]:
+    """(scenario, policy) pairs to run.
+
+    The burst memory alone (``ours@memory``) differs from ours only on bursts.
+    The extra settings (the Dynamo headroom sweep, ours@memory) run on the
+    scenarios they were made for; every scenario gets the static sweep and the
+    hindsight reference (cheap: no FPM), which shows what a rise faster than pods
+    start costs a policy that reacts to it exactly.
+    """
     extras = {"ours@memory", *DYNAMO_SWEEP}
-    jobs = [
+    return [
         (scenario, policy)
         for scenario, _, _ in scenarios
         for policy in [*names, *sweeps[scenario]]
         if policy not in extras
-        or (policy == "ours@memory" and scenario in burst_periods)
+        or (policy == "ours@memory" and scenario in BURST_PERIODS)
         or (policy != "ours@memory" and scenario in (SHARED_TRACE, BURSTS, SLOW_BURSTS))
     ]
-    outcomes: dict[tuple[str, str], tuple[RunSummary, SimResult, dict[str, float]]] = {}
-    if args.jobs > 1:
+
+
+def run_jobs(
+    jobs: list[tuple[str, str]], first_scenario: str, workers: int
+) -> dict[tuple[str, str], Outcome]:
+    """Every job's outcome, ``workers`` processes at a time."""
+    outcomes: dict[tuple[str, str], Outcome] = {}
+    if workers > 1:
         # Longest first (the FPM-driven run and the big fleets on the trace).
-        order = sorted(jobs, key=lambda j: (not j[1].startswith("ours"), j[0] != scenarios[0][0]))
+        order = sorted(jobs, key=lambda j: (not j[1].startswith("ours"), j[0] != first_scenario))
         ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
             for job, outcome in zip(order, pool.map(_run_one, order), strict=True):
                 outcomes[job] = outcome
                 print(f"  {job[0]} {job[1]}: {outcome[0].wall_s:.0f} s wall", file=sys.stderr)
@@ -601,43 +624,91 @@ def main(argv: list[str] | None = None) -> int:
         for job in jobs:
             outcomes[job] = _run_one(job)
             print(f"  {job[0]} {job[1]}: {outcomes[job][0].wall_s:.0f} s wall", file=sys.stderr)
+    return outcomes
 
-    rows: list[RunSummary] = []
-    accuracy: dict[str, dict[str, float]] = {}
-    per_burst: dict[str, dict[str, list[float]]] = {}
-    confirmed: dict[str, dict[str, float]] = {}
-    plotted: dict[str, list[SimResult]] = {}
+
+@dataclass
+class Collected:
+    """The outcomes arranged for the table, the rules and the plots."""
+
+    rows: list[RunSummary] = field(default_factory=list)
+    accuracy: dict[str, dict[str, float]] = field(default_factory=dict)
+    per_burst: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    confirmed: dict[str, dict[str, float]] = field(default_factory=dict)
+    plotted: dict[str, list[SimResult]] = field(default_factory=dict)
+
+
+def collect(jobs: list[tuple[str, str]], outcomes: dict[tuple[str, str], Outcome]) -> Collected:
+    """Rows, prediction accuracy, per-burst attainment and the plotted runs, in job order."""
+    got = Collected()
     for job in jobs:
         summary, result, acc = outcomes[job]
-        rows.append(summary)
+        got.rows.append(summary)
         if acc:
-            accuracy[job[0]] = acc
-        if job[0] in burst_periods:
-            period = burst_periods[job[0]]
-            per_burst.setdefault(job[0], {})[job[1]] = burst_attainment(
+            got.accuracy[job[0]] = acc
+        if job[0] in BURST_PERIODS:
+            period = BURST_PERIODS[job[0]]
+            got.per_burst.setdefault(job[0], {})[job[1]] = burst_attainment(
                 result, result.traffic.duration_s, period
             )
             span = confirmed_span(result.traffic.duration_s, period)
             if span is not None:
-                confirmed.setdefault(job[0], {})[job[1]] = replica_seconds(result, *span)
+                got.confirmed.setdefault(job[0], {})[job[1]] = replica_seconds(result, *span)
         if job[1] in POLICY_NAMES:  # the sweep's extra settings would clutter the plot
-            plotted.setdefault(job[0], []).append(result)
-    speed = speed_check(raw_trace)
+            got.plotted.setdefault(job[0], []).append(result)
+    return got
 
-    oracle = {r.scenario: r.gpu_hours for r in rows if r.policy == "oracle"}
+
+def print_report(got: Collected, oracle: dict[str, float]) -> list[Verdict]:
+    """The table, the prediction accuracy and the verdicts; returns the verdicts."""
     print()
     print(f"SLO: TTFT <= {SLO.ttft_ms:.0f} ms and ITL <= {SLO.itl_ms:.0f} ms per request")
-    print(format_table(rows, oracle))
+    print(format_table(got.rows, oracle))
     print()
     print("Planner prediction accuracy (median relative error, predicted vs simulated):")
-    for name, acc in accuracy.items():
+    for name, acc in got.accuracy.items():
         parts = ", ".join(
             f"{k.removeprefix('median_error_')} {v:.1%}" for k, v in acc.items() if k != "windows"
         )
         print(f"  {name}: {parts} over {acc.get('windows', 0):.0f} windows")
-    verdicts = judge(rows, accuracy, per_burst, confirmed)
+    verdicts = judge(got.rows, got.accuracy, got.per_burst, got.confirmed)
     print()
     print_verdicts(verdicts)
+    return verdicts
+
+
+def plot_scenarios(scenarios: list[Scenario], got: Collected, out: Path) -> list[str]:
+    """One timeline per scenario; the paths written."""
+    pngs: list[str] = []
+    for k, (scenario, _, setup) in enumerate(scenarios):
+        # The first scenario (the trace) is the headline plot; others get a suffix.
+        png = out / ("policies_timeline.png" if k == 0 else f"policies_timeline_{scenario}.png")
+        scale = float(scenario.rsplit("-x", 1)[1]) if scenario.startswith("azure-conv-x") else 1.0
+        title = plot_title(scenario, scale, setup.slo, setup.startup_s)
+        plot_timeline(got.plotted.get(scenario, []), setup.slo, str(png), title=title)
+        pngs.append(str(png))
+    return pngs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison; returns 0."""
+    global _SEED
+    args = parse_args(argv)
+    names = [n for n in args.policies.split(",") if n]
+    _SEED = args.seed
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scenarios, raw_trace = build_scenarios(args)
+
+    began = time.perf_counter()
+    sizings, sweeps = size_scenarios(scenarios, args.seed)
+    jobs = plan_jobs(scenarios, names, sweeps)
+    outcomes = run_jobs(jobs, scenarios[0][0], args.jobs)
+    got = collect(jobs, outcomes)
+    speed = speed_check(raw_trace)
+
+    oracle = {r.scenario: r.gpu_hours for r in got.rows if r.policy == "oracle"}
+    verdicts = print_report(got, oracle)
     print(
         f"Speed: {speed['simulated_s']:.0f} s of {speed['requests']:.0f} requests on 20 replicas "
         f"({speed['passes']:.0f} passes) simulated in {speed['wall_s']:.1f} s"
@@ -656,25 +727,18 @@ def main(argv: list[str] | None = None) -> int:
                 k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                 for k, v in r.to_dict().items()
             }
-            for r in rows
+            for r in got.rows
         ],
         "oracle_gpu_hours": oracle,
-        "prediction_accuracy": accuracy,
-        "attainment_per_burst_then_after_first": per_burst,
-        "replica_seconds_after_third_burst": confirmed,
+        "prediction_accuracy": got.accuracy,
+        "attainment_per_burst_then_after_first": got.per_burst,
+        "replica_seconds_after_third_burst": got.confirmed,
         "criteria": [asdict(v) for v in verdicts],
         "speed": speed,
         "total_wall_s": total_s,
     }
     (out / "bench_policies.json").write_text(json.dumps(payload, indent=2))
-    pngs: list[str] = []
-    for k, (scenario, _, setup) in enumerate(scenarios):
-        # The first scenario (the trace) is the headline plot; others get a suffix.
-        png = out / ("policies_timeline.png" if k == 0 else f"policies_timeline_{scenario}.png")
-        scale = float(scenario.rsplit("-x", 1)[1]) if scenario.startswith("azure-conv-x") else 1.0
-        title = plot_title(scenario, scale, setup.slo, setup.startup_s)
-        plot_timeline(plotted.get(scenario, []), setup.slo, str(png), title=title)
-        pngs.append(str(png))
+    pngs = plot_scenarios(scenarios, got, out)
     print(f"wrote {out / 'bench_policies.json'} and {', '.join(pngs)}")
     return 0
 
