@@ -416,7 +416,7 @@ class _SteadyStep:
     pass_batch: float  # decodes in a pass (at least one while there is decode work)
     chunk_room: float  # prompt tokens a pass has room for beside its decodes
     decode_s: float  # a pass of the mean batch without prefill
-    # Per prompt-length class: (chunks, one chunk's pass, seconds, probability).
+    # Per prompt-length class: (chunks, one chunk's pass in seconds, probability).
     prefills: list[tuple[float, float, float]]
 
 
