@@ -478,7 +478,14 @@ def _steady_step(
         step = new_step
         if converged:
             break
-    return _SteadyStep(step, batch, pass_batch, chunk_room, f_d, prefills)
+    return _SteadyStep(
+        step=step,
+        batch=batch,
+        pass_batch=pass_batch,
+        chunk_room=chunk_room,
+        decode_s=f_d,
+        prefills=prefills,
+    )
 
 
 @dataclass(frozen=True)
@@ -567,16 +574,16 @@ def _prefill_queue(
         busy = min(rho, 1.0)
         pick = RouterPick.at_random(busy, queued_per_busy, steady.batch)
     return _PrefillQueue(
-        services,
-        service,
-        service_cv2,
-        dispersion,
-        residual,
-        admitted_mean,
-        rho_tokens,
-        queued_per_busy,
-        busy,
-        pick,
+        services=services,
+        service=service,
+        service_cv2=service_cv2,
+        dispersion=dispersion,
+        residual=residual,
+        admitted_mean=admitted_mean,
+        rho_tokens=rho_tokens,
+        queued_per_busy=queued_per_busy,
+        busy=busy,
+        pick=pick,
     )
 
 
