@@ -69,6 +69,7 @@ import queue
 import statistics
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +312,246 @@ def limit_cpu(cores: float) -> Path | None:
     return group
 
 
+# -- the operator process (the one measured) -------------------------------------
+
+
+@dataclass(frozen=True)
+class RunClock:
+    """A run's times (``time.time()``): rounds are due from ``start``; the measured
+    window is from ``measure_from`` to ``stop``."""
+
+    start: float
+    measure_from: float
+    stop: float
+
+
+def build_autoscalers(args: argparse.Namespace, oversize: bool) -> tuple[Any, list[Any]]:
+    """The spec every deployment shares, and one ``DeploymentAutoscaler`` per deployment
+    fed its Ready pods through the controller's discovery path (plus, with
+    ``oversize``, the oversize sender's pod in the first)."""
+    from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
+    from stepscale_operator.controller.discovery import pod_view
+    from stepscale_operator.controller.spec import parse_spec
+
+    spec = parse_spec(
+        {
+            "model": "m",
+            "image": "i",
+            "dataParallelSize": args.ranks,
+            "resources": {"gpus": args.ranks},
+            "fpm": {"basePort": BASE_PORT},
+            "autoscaling": {"intervalSeconds": args.interval, "advisory": True},
+        }
+    )
+    autoscalers = []
+    for d in range(args.deployments):
+        a = DeploymentAutoscaler(f"bench/d{d}", spec)
+        pods = dict.fromkeys((name, ip) for name, ip, _ in endpoints_of(d, args.pods, args.ranks))
+        if oversize and d == 0:
+            pods[(OVERSIZE_POD[0], OVERSIZE_POD[1])] = None
+        for name, ip in pods:
+            a.observe_pod(pod_view(pod_object(name, ip)))
+        autoscalers.append(a)
+    return spec, autoscalers
+
+
+@dataclass
+class RoundLog:
+    """What the timer threads measure of the rounds (every deployment's thread
+    appends to the same lists; a list append is atomic)."""
+
+    latencies: list[float] = field(default_factory=list)  # done minus due; missed ones too
+    timeline: list[tuple[float, float]] = field(default_factory=list)  # (s since start, latency)
+    status_bytes: list[int] = field(default_factory=list)
+    shedding: list[bool] = field(default_factory=list)  # did the round's status say it sheds?
+    # Where each round's latency went: (woke late, decide(), status and metrics).
+    parts: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """The rounds' figures for the run's row."""
+        latencies = sorted(self.latencies)
+        return {
+            "rounds": len(latencies),
+            "round_latency_p50_s": _pct(latencies, 0.5),
+            "round_latency_p99_s": _pct(latencies, 0.99),
+            "round_latency_max_s": latencies[-1] if latencies else None,
+            "status_bytes_max": max(self.status_bytes) if self.status_bytes else None,
+            # p50 / p99 of each part of a round's latency (seconds).
+            "round_parts_s": {
+                part: [_pct(values, 0.5), _pct(values, 0.99)]
+                for i, part in enumerate(("woke_late", "decide", "status_and_metrics"))
+                for values in [sorted(p[i] for p in self.parts)]
+            },
+            "rounds_status_shedding": sum(self.shedding),
+            "round_timeline": sorted(self.timeline),
+        }
+
+
+def decision_round(
+    a: Any, spec: Any, pods: int, metrics: Any, previous: dict[str, int]
+) -> tuple[dict[str, Any], float]:
+    """What ``handlers.decision_round`` runs for one deployment, less the Kubernetes
+    API calls: ``decide()``, the conditions, the status, the metrics. Returns the
+    status and when ``decide()`` returned."""
+    from stepscale_operator.controller.rounds import observe_metrics
+    from stepscale_operator.controller.status import build_conditions, build_status
+
+    r = a.decide()
+    decided = time.time()
+    snap = r.cost_model_snapshot
+    conditions = build_conditions(
+        now_wall=time.time(),
+        generation=1,
+        previous=[],
+        problems=(),
+        mode="advisory",
+        load=r.load,
+        model_ready=bool(snap.get("ready")),
+        samples=int(snap.get("samples", 0) or 0),
+        min_samples=spec.autoscaling.cost_model.min_samples,
+        mape=(snap.get("quality") or {}).get("mape"),
+    )
+    status: dict[str, Any] = build_status(
+        now_wall=time.time(),
+        generation=1,
+        selector="app=x",
+        mode="advisory",
+        replicas=pods,
+        ready_replicas=pods,
+        desired_replicas=pods,
+        conditions=conditions,
+        cost_model_snapshot=snap,
+        load=r.load,
+        decision=r.decision,
+        decision_applied=False,
+        last_scaling=None,
+        stream_health=r.stream_health,
+        endpoints=r.endpoints,
+    )
+    observe_metrics(
+        metrics,
+        a.name,
+        totals=r.totals,
+        previous=previous,
+        status=status,
+        endpoints=r.endpoints,
+        ready=r.ready,
+    )
+    return status, decided
+
+
+def run_timer(
+    a: Any,
+    spec: Any,
+    args: argparse.Namespace,
+    metrics: Any,
+    clock: RunClock,
+    offset: float,
+    stop: threading.Event,
+    log: RoundLog,
+) -> None:
+    """One deployment's timer (the kopf timer's stand-in): a round every
+    ``args.interval`` from ``clock.start + offset`` until ``stop``. Rounds due and
+    done within the window are logged; rounds missed outright count as late."""
+    previous: dict[str, int] = {}
+    due = clock.start + offset
+    while not stop.is_set():
+        stop.wait(max(0.0, due - time.time()))
+        if stop.is_set():
+            return
+        woke = time.time()
+        status, decided = decision_round(a, spec, args.pods, metrics, previous)
+        done = time.time()
+        if due >= clock.measure_from and done <= clock.stop:
+            log.latencies.append(done - due)
+            log.timeline.append((round(due - clock.start, 2), round(done - due, 3)))
+            log.status_bytes.append(len(json.dumps(status)))
+            log.shedding.append(bool(status["streams"]["shedding"]))
+            log.parts.append((woke - due, decided - woke, done - decided))
+        due += args.interval
+        while due < done - args.interval:
+            log.latencies.append(done - due)
+            due += args.interval
+
+
+def fleet_counts(autoscalers: list[Any]) -> dict[str, int]:
+    """Messages so far, summed over the deployments: received, ingested, gaps, shed,
+    stray, rejected, and the subscribers' reconnects."""
+    c = dict.fromkeys(
+        ("received", "ingested", "gaps", "shed", "stray", "rejected", "reconnects"), 0
+    )
+    for a in autoscalers:
+        tot = a.totals()
+        c["received"] += a.subscriber.stats.received
+        c["rejected"] += sum(a.subscriber.stats.rejected.values())
+        c["reconnects"] += a.subscriber.stats.reconnects
+        c["ingested"] += tot["messages"]
+        c["gaps"] += tot["lost"]
+        c["shed"] += tot["shed_messages"]
+        c["stray"] += tot["stray_messages"]
+    return c
+
+
+class GcPauses:
+    """The garbage collector's pauses from ``measure_from`` on, while in a ``with``
+    block (each pause stops every thread)."""
+
+    def __init__(self, measure_from: float) -> None:
+        self.measure_from = measure_from
+        self.pauses: list[tuple[int, float]] = []  # (generation, process CPU seconds)
+        self._started = 0.0
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.process_time()
+        elif time.time() >= self.measure_from:
+            self.pauses.append((info["generation"], time.process_time() - self._started))
+
+    def summary(self) -> dict[str, list[float]]:
+        """Per generation: collections, CPU seconds in all, the longest."""
+        out: dict[str, list[float]] = {}
+        for g in (0, 1, 2):
+            mine = [c for gen, c in self.pauses if gen == g]
+            out[str(g)] = [len(mine), round(sum(mine), 4), round(max(mine, default=0.0), 4)]
+        return out
+
+
+def sample_memory(autoscalers: list[Any], until: float) -> tuple[list[float], list[float]]:
+    """Once a second until ``until``: the process's RSS and the bytes queued for
+    ingest (MB each)."""
+    rss: list[float] = []
+    queued: list[float] = []
+    while time.time() < until:
+        time.sleep(1.0)
+        rss.append(rss_mb()[0])
+        queued.append(sum(a.queue.bytes for a in autoscalers) / 2**20)
+    return rss, queued
+
+
+def drain(autoscalers: list[Any], drained: Any) -> None:
+    """Wait for the publishers' last frames and heartbeats to be received (up to
+    DRAIN_MAX_S each: under overload the operator lags a minute or more behind) and
+    ingest them, twice (see publish), so that the accounting can close."""
+    for _ in range(HEARTBEAT_ROUNDS):
+        received, quiet_since = -1, time.time()
+        began = quiet_since
+        while time.time() - quiet_since < 3.0 and time.time() - began < DRAIN_MAX_S:
+            time.sleep(0.5)
+            now_received = fleet_counts(autoscalers)["received"]
+            if now_received != received:
+                received, quiet_since = now_received, time.time()
+        for a in autoscalers:
+            a.ingest()
+        drained.set()
+
+
 def operator(
     args: argparse.Namespace,
     rate: float,
@@ -326,222 +567,55 @@ def operator(
     CPU quota of ``cpu_limit`` cores when it is set)."""
     if cpus:
         os.sched_setaffinity(0, cpus)
-    limited = limit_cpu(cpu_limit) if cpu_limit else None
-    if cpu_limit and limited is None:
+    if cpu_limit and limit_cpu(cpu_limit) is None:
         raise RuntimeError("cannot limit the operator's CPU here (no writable cgroup)")
-    from stepscale_operator.controller.autoscaler import DeploymentAutoscaler
-    from stepscale_operator.controller.discovery import pod_view
     from stepscale_operator.controller.metrics import OperatorMetrics
-    from stepscale_operator.controller.rounds import observe_metrics
-    from stepscale_operator.controller.spec import parse_spec
-    from stepscale_operator.controller.status import build_conditions, build_status
 
-    spec = parse_spec(
-        {
-            "model": "m",
-            "image": "i",
-            "dataParallelSize": args.ranks,
-            "resources": {"gpus": args.ranks},
-            "fpm": {"basePort": BASE_PORT},
-            "autoscaling": {"intervalSeconds": args.interval, "advisory": True},
-        }
-    )
-    autoscalers = []
-    for d in range(args.deployments):
-        a = DeploymentAutoscaler(f"bench/d{d}", spec)
-        seen = set()
-        for name, ip, _ in endpoints_of(d, args.pods, args.ranks):
-            if name not in seen:
-                seen.add(name)
-                a.observe_pod(pod_view(pod_object(name, ip)))
-        if oversize and d == 0:
-            a.observe_pod(pod_view(pod_object(OVERSIZE_POD[0], OVERSIZE_POD[1])))
-        autoscalers.append(a)
-    metrics = OperatorMetrics()
-    latencies: list[float] = []
-    timeline: list[tuple[float, float]] = []  # (seconds since start, latency) per round
-    status_bytes: list[int] = []
-    shedding_rounds: list[bool] = []  # per measured round: did status say it sheds?
-    # Per measured round, where its latency went: (woke late, decide(), the rest).
-    round_parts: list[tuple[float, float, float]] = []
-    stop = threading.Event()
-    measure_from = start_at + args.warmup
+    spec, autoscalers = build_autoscalers(args, oversize)
+    clock = RunClock(start_at, start_at + args.warmup, stop_at)
+    metrics, log, stop = OperatorMetrics(), RoundLog(), threading.Event()
+    for i, a in enumerate(autoscalers):
+        offset = args.interval * i / len(autoscalers)
+        threading.Thread(
+            target=run_timer, args=(a, spec, args, metrics, clock, offset, stop, log), daemon=True
+        ).start()
 
-    def timer(a: DeploymentAutoscaler, offset: float) -> None:
-        previous: dict[str, int] = {}
-        due = start_at + offset
-        while not stop.is_set():
-            stop.wait(max(0.0, due - time.time()))
-            if stop.is_set():
-                return
-            woke = time.time()
-            r = a.decide()
-            decided = time.time()
-            snap = r.cost_model_snapshot
-            conditions = build_conditions(
-                now_wall=time.time(),
-                generation=1,
-                previous=[],
-                problems=(),
-                mode="advisory",
-                load=r.load,
-                model_ready=bool(snap.get("ready")),
-                samples=int(snap.get("samples", 0) or 0),
-                min_samples=spec.autoscaling.cost_model.min_samples,
-                mape=(snap.get("quality") or {}).get("mape"),
-            )
-            status = build_status(
-                now_wall=time.time(),
-                generation=1,
-                selector="app=x",
-                mode="advisory",
-                replicas=args.pods,
-                ready_replicas=args.pods,
-                desired_replicas=args.pods,
-                conditions=conditions,
-                cost_model_snapshot=snap,
-                load=r.load,
-                decision=r.decision,
-                decision_applied=False,
-                last_scaling=None,
-                stream_health=r.stream_health,
-                endpoints=r.endpoints,
-            )
-            observe_metrics(
-                metrics,
-                a.name,
-                totals=r.totals,
-                previous=previous,
-                status=status,
-                endpoints=r.endpoints,
-                ready=r.ready,
-            )
-            done = time.time()
-            if due >= measure_from and done <= stop_at:
-                latencies.append(done - due)
-                timeline.append((round(due - start_at, 2), round(done - due, 3)))
-                status_bytes.append(len(json.dumps(status)))
-                shedding_rounds.append(bool(status["streams"]["shedding"]))
-                round_parts.append((woke - due, decided - woke, done - decided))
-            due += args.interval
-            while due < done - args.interval:  # rounds missed outright count as late
-                latencies.append(done - due)
-                due += args.interval
-
-    threads = [
-        threading.Thread(target=timer, args=(a, args.interval * i / len(autoscalers)), daemon=True)
-        for i, a in enumerate(autoscalers)
-    ]
-    for t in threads:
-        t.start()
-
-    def counts() -> dict[str, int]:
-        c = {
-            "received": 0,
-            "ingested": 0,
-            "gaps": 0,
-            "shed": 0,
-            "stray": 0,
-            "rejected": 0,
-            "reconnects": 0,
-        }
-        for a in autoscalers:
-            tot = a.totals()
-            c["received"] += a.subscriber.stats.received
-            c["rejected"] += sum(a.subscriber.stats.rejected.values())
-            c["reconnects"] += a.subscriber.stats.reconnects
-            c["ingested"] += tot["messages"]
-            c["gaps"] += tot["lost"]
-            c["shed"] += tot["shed_messages"]
-            c["stray"] += tot["stray_messages"]
-        return c
-
-    # The garbage collector's pauses over the window (each stops every thread).
-    gc_pauses: list[tuple[int, float]] = []  # (generation, process CPU seconds)
-    gc_started = [0.0]
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            gc_started[0] = time.process_time()
-        elif time.time() >= measure_from:
-            gc_pauses.append((info["generation"], time.process_time() - gc_started[0]))
-
-    gc.callbacks.append(on_gc)
-    time.sleep(max(0.0, measure_from - time.time()))
-    cpu0, wall0, c0 = time.process_time(), time.time(), counts()
-    rss_samples: list[float] = []
-    queued_samples: list[float] = []
-    while time.time() < stop_at:
-        time.sleep(1.0)
-        rss_samples.append(rss_mb()[0])
-        queued_samples.append(sum(a.queue.bytes for a in autoscalers) / 2**20)
-    cpu1, wall1, c1 = time.process_time(), time.time(), counts()
-    gc.callbacks.remove(on_gc)
-    # Wait for the publishers' last frames and heartbeats to be received (up to
-    # DRAIN_MAX_S each: under overload the operator lags a minute or more behind)
-    # and ingest them, twice (see publish), so that the accounting can close.
+    with GcPauses(clock.measure_from) as gc_pauses:
+        time.sleep(max(0.0, clock.measure_from - time.time()))
+        cpu0, wall0, c0 = time.process_time(), time.time(), fleet_counts(autoscalers)
+        rss_samples, queued_samples = sample_memory(autoscalers, clock.stop)
+        cpu1, wall1, c1 = time.process_time(), time.time(), fleet_counts(autoscalers)
     stop.set()
-    for _ in range(HEARTBEAT_ROUNDS):
-        received, quiet_since = -1, time.time()
-        began = quiet_since
-        while time.time() - quiet_since < 3.0 and time.time() - began < DRAIN_MAX_S:
-            time.sleep(0.5)
-            now_received = counts()["received"]
-            if now_received != received:
-                received, quiet_since = now_received, time.time()
-        for a in autoscalers:
-            a.ingest()
-        drained.set()
-    final = counts()
+    drain(autoscalers, drained)
+    final = fleet_counts(autoscalers)
     rss, peak = rss_mb()
     window = {k: c1[k] - c0[k] for k in c1}
-    cpu = cpu1 - cpu0
+    seconds, cpu = wall1 - wall0, cpu1 - cpu0
     # What was still on its way when the publishers stopped (in their send queues,
     # TCP buffers and ZMQ's): the operator's lag behind its engines, in messages and
     # in seconds of what it received per second. Less the final heartbeats.
     heartbeats = HEARTBEAT_ROUNDS * len(autoscalers) * args.pods * args.ranks
     backlog = max(0, final["received"] - c1["received"] - heartbeats)
-    received_per_s = window["received"] / (wall1 - wall0)
-    latencies.sort()
+    received_per_s = window["received"] / seconds
     out.put(
         {
             "rate": rate,
-            "window_s": wall1 - wall0,
+            "window_s": seconds,
             "interval_s": args.interval,
             "operator_cpu_s": cpu,
-            "operator_cores": cpu / (wall1 - wall0),
+            "operator_cores": cpu / seconds,
             "received_per_s": received_per_s,
             "backlog_at_stop": backlog,
             "lag_s": backlog / received_per_s if received_per_s > 0 else None,
-            "ingested_per_s": window["ingested"] / (wall1 - wall0),
+            "ingested_per_s": window["ingested"] / seconds,
             "cpu_us_per_message": 1e6 * cpu / max(1, window["received"]),
             "rss_mb_median": statistics.median(rss_samples) if rss_samples else rss,
             "rss_mb_end": rss,
             "rss_mb_peak": peak,
             "rss_mb_samples": [round(v, 1) for v in rss_samples],
             "queued_mb_samples": [round(v, 1) for v in queued_samples],
-            "rounds": len(latencies),
-            "round_latency_p50_s": _pct(latencies, 0.5),
-            "round_latency_p99_s": _pct(latencies, 0.99),
-            "round_latency_max_s": latencies[-1] if latencies else None,
-            "status_bytes_max": max(status_bytes) if status_bytes else None,
-            # Per collector generation: collections, CPU seconds in all, the longest.
-            "gc_pauses": {
-                str(g): [
-                    sum(1 for gen, _ in gc_pauses if gen == g),
-                    round(sum(c for gen, c in gc_pauses if gen == g), 4),
-                    round(max((c for gen, c in gc_pauses if gen == g), default=0.0), 4),
-                ]
-                for g in (0, 1, 2)
-            },
-            # p50 / p99 of each part of a round's latency (seconds).
-            "round_parts_s": {
-                part: [_pct(values, 0.5), _pct(values, 0.99)]
-                for i, part in enumerate(("woke_late", "decide", "status_and_metrics"))
-                for values in [sorted(p[i] for p in round_parts)]
-            },
-            "rounds_status_shedding": sum(shedding_rounds),
-            "round_timeline": sorted(timeline),
+            **log.summary(),
+            "gc_pauses": gc_pauses.summary(),
             "window": window,
             "final": final,
         }
