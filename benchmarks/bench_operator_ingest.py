@@ -391,42 +391,26 @@ def decision_round(
     a: Any, spec: Any, pods: int, metrics: Any, previous: dict[str, int]
 ) -> tuple[dict[str, Any], float]:
     """What ``handlers.decision_round`` runs for one deployment, less the Kubernetes
-    API calls: ``decide()``, the conditions, the status, the metrics. Returns the
-    status and when ``decide()`` returned."""
+    API calls: ``decide()``, the round's status, the metrics. Returns the status
+    and when ``decide()`` returned."""
     from stepscale_operator.controller.rounds import observe_metrics
-    from stepscale_operator.controller.status import build_conditions, build_status
+    from stepscale_operator.controller.status import round_status
 
     r = a.decide()
     decided = time.time()
-    snap = r.cost_model_snapshot
-    conditions = build_conditions(
+    status = round_status(
+        r,
         now_wall=time.time(),
         generation=1,
-        previous=[],
-        problems=(),
+        previous_conditions=[],
         mode="advisory",
-        load=r.load,
-        model_ready=bool(snap.get("ready")),
-        samples=int(snap.get("samples", 0) or 0),
         min_samples=spec.autoscaling.cost_model.min_samples,
-        mape=(snap.get("quality") or {}).get("mape"),
-    )
-    status: dict[str, Any] = build_status(
-        now_wall=time.time(),
-        generation=1,
         selector="app=x",
-        mode="advisory",
         replicas=pods,
         ready_replicas=pods,
         desired_replicas=pods,
-        conditions=conditions,
-        cost_model_snapshot=snap,
-        load=r.load,
-        decision=r.decision,
         decision_applied=False,
         last_scaling=None,
-        stream_health=r.stream_health,
-        endpoints=r.endpoints,
     )
     observe_metrics(
         metrics,

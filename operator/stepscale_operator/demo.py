@@ -38,7 +38,7 @@ from stepscale_operator.cli_input import (
 from stepscale_operator.controller.autoscaler import DeploymentAutoscaler, planner_policy
 from stepscale_operator.controller.discovery import PodView
 from stepscale_operator.controller.spec import VllmDeploymentSpec, parse_spec
-from stepscale_operator.controller.status import build_conditions, build_status
+from stepscale_operator.controller.status import round_status
 from stepscale_operator.demo_summary import DemoRecord, MeasuredLatency, Round, summary_lines
 from stepscale_operator.latency_model import SloTargets
 from stepscale_operator.local_engine import (
@@ -293,44 +293,26 @@ class DemoOperator:
         coming), and a scale-down removes them again after the stabilization window.
         """
         result = self.autoscaler.decide(current_replicas=self.replicas)
-        snapshot = result.cost_model_snapshot
-        quality = snapshot.get("quality") or {}
-        now = time.time()
-        conditions = build_conditions(
-            now_wall=now,
-            generation=1,
-            previous=self._previous_conditions,
-            problems=(),
-            mode="advisory",
-            load=result.load,
-            model_ready=bool(snapshot.get("ready")),
-            samples=int(snapshot.get("samples", 0) or 0),
-            min_samples=self.spec.autoscaling.cost_model.min_samples,
-            mape=quality.get("mape"),
-            decision=result.decision,
-        )
-        self._previous_conditions = conditions
         decision = result.decision
         replicas = self.replicas
         if decision is not None:
             self.replicas = decision.desired_replicas
-        return build_status(
-            now_wall=now,
+        status = round_status(
+            result,
+            now_wall=time.time(),
             generation=1,
-            selector=f"stepscale.io/vllmdeployment={NAME}",
+            previous_conditions=self._previous_conditions,
             mode="advisory",
+            min_samples=self.spec.autoscaling.cost_model.min_samples,
+            selector=f"stepscale.io/vllmdeployment={NAME}",
             replicas=replicas,
             ready_replicas=result.ready,
             desired_replicas=decision.desired_replicas if decision else replicas,
-            conditions=conditions,
-            cost_model_snapshot=snapshot,
-            load=result.load,
-            decision=decision,
             decision_applied=False,
             last_scaling=None,
-            stream_health=result.stream_health,
-            endpoints=result.endpoints,
         )
+        self._previous_conditions = status["conditions"]
+        return status
 
     def close(self) -> None:
         """Stop listening."""

@@ -67,9 +67,9 @@ from stepscale_operator.controller.spec import (
 )
 from stepscale_operator.controller.status import (
     build_conditions,
-    build_status,
     bursts_from_status,
     checkpoint_from_status,
+    round_status,
 )
 from stepscale_operator.planner import Decision
 from stepscale_operator.stream_state import stream_label
@@ -564,39 +564,20 @@ def decision_round(
         state.metrics.counter("stepscale_scaling_decisions_total").labels(
             label, decision.action, str(applied).lower()
         ).inc()
-    snapshot = result.cost_model_snapshot
-    quality = snapshot.get("quality") or {}
-    now_wall = time.time()
-    conditions = build_conditions(
-        now_wall=now_wall,
+    new_status = round_status(
+        result,
+        now_wall=time.time(),
         generation=meta.get("generation"),
-        previous=list(status.get("conditions") or []),
-        problems=(),
+        previous_conditions=list(status.get("conditions") or []),
         mode=mode_of(spec),
-        load=result.load,
-        model_ready=bool(snapshot.get("ready")),
-        samples=int(snapshot.get("samples", 0) or 0),
         min_samples=spec.autoscaling.cost_model.min_samples,
-        mape=quality.get("mape"),
-        api_error=api_error,
-        decision=decision,
-    )
-    new_status = build_status(
-        now_wall=now_wall,
-        generation=meta.get("generation"),
         selector=selector_string(name),
-        mode=mode_of(spec),
         replicas=int(dep_status.get("replicas") or 0),
         ready_replicas=int(dep_status.get("readyReplicas") or 0),
         desired_replicas=int(desired),
-        conditions=conditions,
-        cost_model_snapshot=snapshot,
-        load=result.load,
-        decision=decision,
         decision_applied=applied,
         last_scaling=status.get("lastScaling"),
-        stream_health=result.stream_health,
-        endpoints=result.endpoints,
+        api_error=api_error,
     )
     observe_metrics(
         state.metrics,

@@ -16,12 +16,15 @@ from __future__ import annotations
 import datetime
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stepscale_operator.controller.discovery import parse_timestamp
 from stepscale_operator.latency_model import LatencyPrediction
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner import Decision
+
+if TYPE_CHECKING:  # the autoscaler pulls in sockets; the status only reads its result
+    from stepscale_operator.controller.autoscaler import DecisionRound
 
 CONDITION_TYPES = ("MetricsFresh", "ModelReady", "ScalingActive", "Degraded")
 CHECKPOINT_KEY = "checkpoint"
@@ -468,6 +471,59 @@ def build_status(
         status["bursts"] = burst_status(decision, now_wall)
     cleaned: dict[str, Any] = json_clean(status)
     return cleaned
+
+
+def round_status(
+    result: DecisionRound,
+    *,
+    now_wall: float,
+    generation: int | None,
+    previous_conditions: Sequence[Mapping[str, Any]],
+    mode: str,
+    min_samples: int,
+    selector: str,
+    replicas: int,
+    ready_replicas: int,
+    desired_replicas: int,
+    decision_applied: bool,
+    last_scaling: Mapping[str, Any] | None,
+    api_error: str | None = None,
+) -> dict[str, Any]:
+    """The status a decision round writes: the conditions its load, model and
+    decision give, and the whole status around them (what the operator's timer, the
+    demo and the ingest benchmark all write)."""
+    snapshot = result.cost_model_snapshot
+    conditions = build_conditions(
+        now_wall=now_wall,
+        generation=generation,
+        previous=previous_conditions,
+        problems=(),
+        mode=mode,
+        load=result.load,
+        model_ready=bool(snapshot.get("ready")),
+        samples=int(snapshot.get("samples", 0) or 0),
+        min_samples=min_samples,
+        mape=(snapshot.get("quality") or {}).get("mape"),
+        api_error=api_error,
+        decision=result.decision,
+    )
+    return build_status(
+        now_wall=now_wall,
+        generation=generation,
+        selector=selector,
+        mode=mode,
+        replicas=replicas,
+        ready_replicas=ready_replicas,
+        desired_replicas=desired_replicas,
+        conditions=conditions,
+        cost_model_snapshot=snapshot,
+        load=result.load,
+        decision=result.decision,
+        decision_applied=decision_applied,
+        last_scaling=last_scaling,
+        stream_health=result.stream_health,
+        endpoints=result.endpoints,
+    )
 
 
 def bursts_from_status(status: Mapping[str, Any] | None) -> list[tuple[float, int]]:
