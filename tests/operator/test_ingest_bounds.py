@@ -22,7 +22,7 @@ from stepscale_operator.controller.discovery import PodView
 from stepscale_operator.controller.ingest_queue import ByteBudget, IngestQueue
 from stepscale_operator.controller.round_priority import RoundPriority
 from stepscale_operator.controller.spec import parse_spec
-from stepscale_operator.controller.status import build_status, load_status, stream_status
+from stepscale_operator.controller.status import load_status, round_status, stream_status
 from stepscale_operator.fpm_pipeline import DeploymentModel, MessageBatch
 from stepscale_operator.load_estimate import LoadEstimator
 from stepscale_operator.planner import Decision, PlannerInputs
@@ -125,22 +125,19 @@ def test_status_stays_small_with_ten_thousand_hostile_identities(
         autoscaler._on_batch(passes(f"{i:05d}" + "x" * 60_000, 0, 1))
     run_pods(autoscaler, clock, ["a"], 5, 0)
     round_ = autoscaler.decide()
-    status = build_status(
+    status = round_status(
+        round_,
         now_wall=clock.now,
         generation=1,
-        selector="app=chat",
+        previous_conditions=[],
         mode="auto",
+        min_samples=50,
+        selector="app=chat",
         replicas=1,
         ready_replicas=1,
         desired_replicas=1,
-        conditions=[],
-        cost_model_snapshot=round_.cost_model_snapshot,
-        load=round_.load,
-        decision=round_.decision,
         decision_applied=False,
         last_scaling=None,
-        stream_health=round_.stream_health,
-        endpoints=round_.endpoints,
     )
     assert len(json.dumps(status)) < 64 * 1024
     # Each hostile identity is 60 kB: most of them are shed before they are even queued.
