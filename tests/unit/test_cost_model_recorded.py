@@ -281,3 +281,31 @@ def test_slow_moments_mark_passes_among_slow_decode_passes() -> None:
     slow = bench.slow_moments(msgs, pred)
     assert slow[125] and slow[135] and slow[115]
     assert not slow[25] and not slow[185]
+
+
+def test_median_interval_resamples_runs_so_phases_widen_it() -> None:
+    """The bench's interval of a regime's median keeps neighbours together: errors
+    that come in phases (the machine slow for a stretch, a batch kept for dozens of
+    passes) leave the median far less certain than as many independent errors, and
+    independent errors get about the interval they would get one by one."""
+    bench = _bench()
+    rng = np.random.default_rng(1)
+    n = 400
+    y = np.ones(n)
+    # Eight phases of 50 passes, each off by its own -20% .. +20%, a little noise within.
+    phases = np.repeat(rng.uniform(-0.2, 0.2, 8), 50) + rng.normal(0.0, 0.01, n)
+    noise = rng.normal(0.0, 0.1, n)  # independent errors of a similar spread
+    everything = np.ones(n, dtype=bool)
+
+    def width(signed: np.ndarray) -> float:
+        interval = bench.median_interval(y, 1.0 + signed, everything)
+        assert interval is not None and interval[0] <= np.median(signed) <= interval[1]
+        return interval[1] - interval[0]
+
+    def one_by_one(signed: np.ndarray) -> float:
+        medians = np.median(signed[rng.integers(0, n, (1000, n))], axis=1)
+        return float(np.percentile(medians, 97.5) - np.percentile(medians, 2.5))
+
+    assert width(phases) > 2.0 * one_by_one(phases)
+    assert 0.7 < width(noise) / one_by_one(noise) < 1.4
+    assert bench.median_interval(y[:19], y[:19], everything[:19]) is None
