@@ -5,8 +5,8 @@ pods can start, when the demand behind it rose by more than the load windows'
 sampling noise (:mod:`~stepscale_operator.demand_rise`: a few long prompts in one
 window move the need as much, with no rise in arrivals); its peak (counted from
 the low point it rose from) is kept for ``burst_memory_s`` so a burst coming back
-soon finds its capacity already there. A burst within that memory extends it, and
-a smaller one does not lower it.
+soon finds its capacity already there. A burst within that memory extends it: a
+smaller one does not lower the floor while a bigger one's peak is in the memory.
 What is kept is the peak's *demand*, sized again at every decision with the model
 and the closed loop's correction as they are then (see :meth:`BurstMemory.floor`).
 Once bursts come at a steady period (:mod:`~stepscale_operator.burst_recurrence`),
@@ -116,9 +116,10 @@ class BurstMemory:
         Bursts at a period (see :mod:`~stepscale_operator.burst_recurrence`): from
         one look-ahead horizon (plus the period's jitter) before the next is due
         until it comes, the floor is the recent bursts' peak need; between bursts
-        of a confirmed period there is none. Otherwise the floor is the peak need
-        since the first of the bursts that came within ``burst_memory_s`` of each
-        other, kept for ``burst_memory_s`` after the last (0 when none).
+        of a confirmed period there is none. Otherwise the floor is the highest
+        need of the last ``burst_memory_s``, counted from the low point of the
+        first of the bursts that came within ``burst_memory_s`` of each other (0
+        once no burst has been seen for ``burst_memory_s``).
 
         The peak counts from the low point the burst rose from: a higher need met
         before the burst (an earlier daily peak) is not what a recurring burst
@@ -164,9 +165,10 @@ class BurstMemory:
         ):
             new_burst = self._last_burst is None or now - self._last_burst > horizon
             # A burst within the memory of the last one extends it: a smaller burst
-            # must not erase a bigger one's peak (on bursty code a 4-replica burst
-            # replaced a 13-replica memory, the fleet walked down to 6 and the next
-            # cluster met it: 99.18% -> 99.57% attainment for 2.3% more GPU-hours).
+            # must not erase a bigger one's peak, which stays until it is
+            # burst_memory_s old (on bursty code a 4-replica burst replaced a
+            # 13-replica memory, the fleet walked down to 6 and the next cluster met
+            # it: 99.18% -> 99.57% attainment for 2.3% more GPU-hours).
             if self._last_burst is None or now - self._last_burst > policy.burst_memory_s:
                 self._burst_began = at_low.time
             self._last_burst = now

@@ -948,26 +948,37 @@ def test_the_burst_memory_keeps_the_bursts_peak_not_an_earlier_higher_need() -> 
 def test_a_smaller_burst_within_the_memory_does_not_lower_the_floor() -> None:
     # Clusters of requests come at no period, some bigger than others. A small one
     # after a big one is no reason to forget the big one: the next cluster may be
-    # big again, and it arrives faster than pods start.
+    # big again, and it arrives faster than pods start. Each peak is kept until it
+    # is burst_memory_s (900 s) old, as long as bursts keep coming.
     policy = _burst_rules_policy()
     planner = Planner(policy)
     low, big, small = load_of(20.0), load_of(150.0), load_of(70.0)
     assert needed_for(low, policy) < needed_for(small, policy) < needed_for(big, policy)
+
+    def burst_floor(total: int, now: float) -> int:
+        floor = planner.decide(inputs_for(low, total, now=now), now=now).inputs["scale_down_floor"]
+        assert isinstance(floor, int)
+        return floor
+
     total, t = _run_steady(planner, low, needed_for(low, policy), 0.0, 200.0)
     onset = planner.decide(inputs_for(big, total, now=t), now=t)
     assert onset.inputs["burst_seen_s_ago"] == 0.0
     total, t = _run_steady(planner, big, onset.desired_replicas, t + 5.0, t + 60.0)
+    big_ended = t
     total, t = _run_steady(planner, low, total, t, t + 300.0)
-    assert total >= needed_for(big, policy)  # the big burst's peak, kept
     second = planner.decide(inputs_for(small, total, now=t), now=t)
     assert second.inputs["burst_seen_s_ago"] == 0.0  # a burst of its own
     total, t = _run_steady(planner, small, total, t + 5.0, t + 60.0)
-    total, t = _run_steady(planner, low, total, t, t + 600.0)
-    # 960 s after the big burst, 660 s after the small one: the big one's peak holds.
-    assert total >= needed_for(big, policy)
-    # ... for the memory after the last burst, then the fleet comes down.
-    total, t = _run_steady(planner, low, total, t, t + 400.0)
-    assert total < needed_for(small, policy)
+    small_ended = t
+    # 700 s after the big burst, 300 s after the small one: the big one's peak holds.
+    total, t = _run_steady(planner, low, total, t, big_ended + 700.0)
+    assert burst_floor(total, t) >= needed_for(big, policy)
+    # Once the big one's peak is 900 s old, the small one's is the floor ...
+    total, t = _run_steady(planner, low, total, t, big_ended + 1000.0)
+    assert needed_for(small, policy) <= burst_floor(total, t) < needed_for(big, policy)
+    # ... until it is 900 s old too.
+    total, t = _run_steady(planner, low, total, t, small_ended + 1000.0)
+    assert burst_floor(total, t) < needed_for(small, policy)
 
 
 def test_a_bursts_remembered_peak_is_sized_with_the_model_as_it_is_now() -> None:
