@@ -197,9 +197,9 @@ class BurstMemory:
                 reason = _recurring_words(prepared, now)
             elif value and seen is not None:
                 reason = (
-                    f"a burst faster than pod start-up was seen {seen:.0f}s ago; its peak "
-                    f"demand (needing {value} as the model is now) is kept for "
-                    f"{policy.burst_memory_s:.0f}s"
+                    f"a burst faster than pod start-up was seen {seen:.0f}s ago; the "
+                    f"highest demand of the bursts in the last {policy.burst_memory_s:.0f}s "
+                    f"(needing {value} as the model is now) is kept"
                 )
             else:
                 reason = "no burst to prepare for"
