@@ -1,0 +1,516 @@
+"""A small continuous-batching engine, shaped like vLLM V1, for recording real GPU step times.
+
+vLLM cannot be installed on the lent GPU machine (nothing can be fetched there and
+its wheels are far over what may be carried), so ``record_cuda_steps.py`` drives
+this engine instead and installs the real plugin on it. What it shares with vLLM
+is what the plugin and the cost model see:
+
+* a scheduler with a ``waiting`` queue, a ``requests`` dict and the two methods the
+  hook wraps (``schedule``, ``update_from_output``); ``schedule`` returns an
+  object with ``SchedulerOutput``'s fields (new and cached request data,
+  ``num_scheduled_tokens``), decodes first, then chunked prefill under a token
+  budget, like vLLM V1's default scheduler;
+* an executor with ``execute_model`` (the forward pass, enqueued) and
+  ``sample_tokens`` (greedy sampling, output copied to the host);
+* a Llama-shaped decoder in bf16 with random weights: one packed batch of all
+  scheduled tokens through fused QKV and gate-up projections, rotary positions,
+  a KV cache of one fixed-length slot per running request, prefill attention by
+  PyTorch's SDPA (lower-right causal over the cached context) and decode
+  attention by a Triton kernel that reads each request's own context only, so
+  a pass's cost follows its tokens, its decode batch and its KV depth as in
+  vLLM's paged attention.
+
+Not modelled: prefix caching, preemption (a request is admitted only when a
+slot is free), CUDA graphs (vLLM captures decode batches; this runs eagerly,
+like vLLM with ``enforce_eager``). On a CPU-only machine the same engine runs a
+tiny model with per-request SDPA decode attention, which is how the tests run it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn import functional
+
+# -- model -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama-shaped decoder; weights are random (no download)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int = 32_000
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden // self.heads
+
+    def parameters(self) -> int:
+        """Number of weights (embedding and head included)."""
+        d = self.head_dim
+        attn = self.hidden * (self.heads + 2 * self.kv_heads) * d + self.heads * d * self.hidden
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp) + 2 * self.vocab * self.hidden
+
+
+# Llama-3-70B's layer shape, 16 of its 80 layers: GPU-bound decode passes.
+WIDE = ModelShape(hidden=8192, intermediate=28672, layers=16, heads=64, kv_heads=8)
+# Llama-3-8B's shape: eager kernel launches are a visible share of a decode pass.
+EIGHT_B = ModelShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8)
+# For CPU tests.
+TINY = ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=256)
+
+
+def _decode_attention_kernel() -> Any:
+    """The Triton decode-attention kernel (built on first use: Triton is only on GPU images)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_attention(
+        q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, lens_ptr, scale,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_kl, stride_ot, stride_oh,
+        group: tl.constexpr, head_dim: tl.constexpr, block: tl.constexpr,
+    ):
+        # One program per (decode request, query head): online softmax over the
+        # request's own context, block cached tokens at a time.
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(slots_ptr + t)
+        length = tl.load(lens_ptr + t)
+        kv_head = h // group
+        d = tl.arange(0, head_dim)
+        q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d).to(tl.float32) * scale
+        base = slot.to(tl.int64) * stride_ks + kv_head * stride_kh
+        m_i = tl.full([1], -1.0e30, tl.float32)
+        l_i = tl.zeros([1], tl.float32)
+        acc = tl.zeros([head_dim], tl.float32)
+        for start in range(0, length, block):
+            offs = start + tl.arange(0, block)
+            valid = offs < length
+            ptrs = base + offs[:, None] * stride_kl + d[None, :]
+            k = tl.load(k_ptr + ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(k * q[None, :], 1)
+            s = tl.where(valid, s, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            p = tl.exp(s - m_new)
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(v_ptr + ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+        out = acc / l_i
+        tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+    return decode_attention
+
+
+_KERNEL: Any = None
+
+
+def decode_attention(
+    q: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+    use_triton: bool,
+) -> None:
+    """Attention of one new token per request over its own cached context, into ``out``.
+
+    ``q``, ``out``: ``[n, heads, head_dim]``; ``cache_*``: ``[slots, kv_heads, max_len,
+    head_dim]``; ``slots``, ``lengths``: ``[n]`` (context length includes the new token).
+    """
+    n, heads, head_dim = q.shape
+    group = heads // cache_k.shape[1]
+    if use_triton:
+        global _KERNEL
+        if _KERNEL is None:
+            _KERNEL = _decode_attention_kernel()
+        _KERNEL[(n, heads)](
+            q, cache_k, cache_v, out, slots, lengths, 1.0 / math.sqrt(head_dim),
+            q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+            out.stride(0), out.stride(1),
+            group=group, head_dim=head_dim, block=64,
+        )
+        return
+    for i, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist(), strict=True)):
+        k = cache_k[slot, :, :length].repeat_interleave(group, dim=0)
+        v = cache_v[slot, :, :length].repeat_interleave(group, dim=0)
+        out[i] = functional.scaled_dot_product_attention(q[i][:, None], k, v)[:, 0]
+
+
+@dataclass
+class PassPlan:
+    """Where each scheduled token of one pass goes (built on the host, per pass)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    # Prefill chunks: (first token index, tokens, slot, tokens already cached).
+    prefills: list[tuple[int, int, int, int]] = field(default_factory=list)
+    decode_start: int = 0
+    decode_slots: list[int] = field(default_factory=list)
+    decode_lengths: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)  # token indices whose logits are sampled
+
+
+class Decoder:
+    """Random-weight Llama-shaped decoder with a slot KV cache."""
+
+    def __init__(self, shape: ModelShape, num_slots: int, max_len: int, device: str) -> None:
+        self.shape = shape
+        self.device = torch.device(device)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.use_triton = self.device.type == "cuda"
+        self.max_len = max_len
+        s, d = shape, shape.head_dim
+        gen = torch.Generator(device=self.device).manual_seed(0)
+
+        def weight(rows: int, cols: int) -> torch.Tensor:
+            w = torch.randn(rows, cols, generator=gen, device=self.device, dtype=self.dtype)
+            return w.mul_(1.0 / math.sqrt(rows))
+
+        self.embed = weight(s.vocab, s.hidden).mul_(math.sqrt(s.vocab))
+        self.layers = [
+            dict(
+                wqkv=weight(s.hidden, (s.heads + 2 * s.kv_heads) * d),
+                wo=weight(s.heads * d, s.hidden),
+                wgu=weight(s.hidden, 2 * s.intermediate),
+                wdown=weight(s.intermediate, s.hidden),
+                norm1=torch.ones(s.hidden, device=self.device, dtype=self.dtype),
+                norm2=torch.ones(s.hidden, device=self.device, dtype=self.dtype),
+            )
+            for _ in range(s.layers)
+        ]
+        self.final_norm = torch.ones(s.hidden, device=self.device, dtype=self.dtype)
+        self.lm_head = weight(s.hidden, s.vocab)
+        cache_shape = (s.layers, num_slots, s.kv_heads, max_len, d)
+        self.cache_k = torch.zeros(cache_shape, device=self.device, dtype=self.dtype)
+        self.cache_v = torch.zeros(cache_shape, device=self.device, dtype=self.dtype)
+        inv_freq = 1.0 / (500_000.0 ** (torch.arange(0, d, 2, device=self.device) / d))
+        angles = torch.outer(torch.arange(max_len, device=self.device), inv_freq)
+        self.cos = angles.cos().to(self.dtype)
+        self.sin = angles.sin().to(self.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(self, plan: PassPlan) -> torch.Tensor:
+        """Run one pass over every scheduled token; returns the sampled token ids (on device)."""
+        s, d, dev = self.shape, self.shape.head_dim, self.device
+        tokens = torch.tensor(plan.token_ids, device=dev)
+        positions = torch.tensor(plan.positions, device=dev)
+        slots = torch.tensor(plan.slots, device=dev)
+        dec_slots = torch.tensor(plan.decode_slots, device=dev, dtype=torch.int32)
+        dec_lengths = torch.tensor(plan.decode_lengths, device=dev, dtype=torch.int32)
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        n = tokens.shape[0]
+        group = s.heads // s.kv_heads
+        x = self.embed[tokens]
+        for index, layer in enumerate(self.layers):
+            h = functional.rms_norm(x, (s.hidden,), layer["norm1"])
+            qkv = (h @ layer["wqkv"]).view(n, s.heads + 2 * s.kv_heads, d)
+            q = self._rope(qkv[:, : s.heads], cos, sin)
+            k = self._rope(qkv[:, s.heads : s.heads + s.kv_heads], cos, sin)
+            v = qkv[:, s.heads + s.kv_heads :]
+            cache_k, cache_v = self.cache_k[index], self.cache_v[index]
+            cache_k[slots, :, positions] = k
+            cache_v[slots, :, positions] = v
+            attn = torch.empty_like(q)
+            for first, count, slot, cached in plan.prefills:
+                length = cached + count
+                kk = cache_k[slot, :, :length].repeat_interleave(group, dim=0)[None]
+                vv = cache_v[slot, :, :length].repeat_interleave(group, dim=0)[None]
+                qq = q[first : first + count].transpose(0, 1)[None]
+                if cached == 0:
+                    o = functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+                else:  # the chunk's queries see all cached tokens and their own prefix
+                    from torch.nn.attention.bias import causal_lower_right
+
+                    bias = causal_lower_right(count, length)
+                    o = functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=bias)
+                attn[first : first + count] = o[0].transpose(0, 1)
+            if plan.decode_slots:
+                start = plan.decode_start
+                decode_attention(
+                    q[start:], cache_k, cache_v, dec_slots, dec_lengths, attn[start:],
+                    self.use_triton,
+                )
+            x = x + attn.reshape(n, s.heads * d) @ layer["wo"]
+            h = functional.rms_norm(x, (s.hidden,), layer["norm2"])
+            gate, up = (h @ layer["wgu"]).chunk(2, dim=-1)
+            x = x + (functional.silu(gate) * up) @ layer["wdown"]
+        rows = torch.tensor(plan.sample_rows, device=dev, dtype=torch.long)
+        last = functional.rms_norm(x[rows], (s.hidden,), self.final_norm)
+        return (last @ self.lm_head).argmax(dim=-1)
+
+
+# -- requests and scheduling -------------------------------------------------------
+
+
+class RequestStatus(enum.Enum):
+    """The two states this engine uses (vLLM's names, which the queue tracker reads)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    slot: int = -1
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+
+class WaitingQueue(deque[Request]):
+    """First come, first served, with the method names of vLLM V1's request queues."""
+
+    def add_request(self, request: Request) -> None:
+        """Queue at the back."""
+        self.append(request)
+
+    def pop_request(self) -> Request:
+        """Take the oldest."""
+        return self.popleft()
+
+    def prepend_request(self, request: Request) -> None:
+        """Put one back at the front."""
+        self.appendleft(request)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        """Put several back at the front, in order."""
+        self.extendleft(reversed(list(requests)))
+
+    def remove_request(self, request: Request) -> None:
+        """Drop one (an abort)."""
+        self.remove(request)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        """Drop several."""
+        for request in list(requests):
+            self.remove(request)
+
+
+@dataclass
+class NewRequestData:
+    """``SchedulerOutput.scheduled_new_reqs`` entry."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """``SchedulerOutput.scheduled_cached_reqs``: running requests, column-wise."""
+
+    req_ids: list[str] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class SchedulerOutput:
+    """The fields of vLLM V1's ``SchedulerOutput`` that the plugin reads, plus the plan."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    batch: list[tuple[Request, int]]  # (request, tokens this pass), in plan order
+
+
+class Scheduler:
+    """Decodes first, then chunked prefill of running and new requests under a token budget."""
+
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_len: int) -> None:
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_len = max_len
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.finished = 0
+
+    def add_request(self, request: Request) -> None:
+        """Accept a request (its prompt plus output must fit one slot)."""
+        if request.num_prompt_tokens + request.max_tokens > self.max_len:
+            raise ValueError(f"request {request.request_id} is longer than {self.max_len} tokens")
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this pass's tokens: every running decode, then prefill chunks in arrival order."""
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[Request, int]] = []
+        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        cached = CachedRequestData()
+        for request in decodes + prefilling:
+            if budget <= 0:
+                break
+            remaining = request.num_prompt_tokens - request.num_computed_tokens
+            count = 1 if remaining <= 0 else min(remaining, budget)
+            batch.append((request, count))
+            cached.req_ids.append(request.request_id)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            cached.num_output_tokens.append(request.num_output_tokens)
+            budget -= count
+        new: list[NewRequestData] = []
+        while budget > 0 and self.waiting and self.free_slots:
+            request = self.waiting.pop_request()
+            request.status = RequestStatus.RUNNING
+            request.slot = self.free_slots.pop()
+            self.running.append(request)
+            count = min(request.num_prompt_tokens, budget)
+            batch.append((request, count))
+            new.append(NewRequestData(request.request_id, request.prompt_token_ids, 0))
+            budget -= count
+        counts = {request.request_id: count for request, count in batch}
+        return SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=counts,
+            total_num_scheduled_tokens=sum(counts.values()),
+            scheduled_spec_decode_tokens={},
+            batch=batch,
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled: list[int]) -> None:
+        """Advance each scheduled request; finished ones give their slot back."""
+        samples = iter(sampled)
+        for request, count in output.batch:
+            request.num_computed_tokens += count
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                continue  # a partial prefill chunk samples nothing
+            request.output_token_ids.append(next(samples))
+            if request.num_output_tokens >= request.max_tokens:
+                self.running.remove(request)
+                self.free_slots.append(request.slot)
+                del self.requests[request.request_id]
+                self.finished += 1
+
+
+def plan_pass(output: SchedulerOutput) -> PassPlan:
+    """Token layout of one pass: prefill chunks first, then one token per decode."""
+    plan = PassPlan()
+    decodes: list[Request] = []
+    for request, count in output.batch:
+        done = request.num_computed_tokens
+        if done >= request.num_prompt_tokens:
+            decodes.append(request)
+            continue
+        first = len(plan.token_ids)
+        plan.token_ids.extend(request.prompt_token_ids[done : done + count])
+        plan.positions.extend(range(done, done + count))
+        plan.slots.extend([request.slot] * count)
+        plan.prefills.append((first, count, request.slot, done))
+        if done + count >= request.num_prompt_tokens:
+            plan.sample_rows.append(first + count - 1)
+    plan.decode_start = len(plan.token_ids)
+    for request in decodes:
+        position = request.num_computed_tokens  # the last sampled token goes here
+        plan.sample_rows.append(len(plan.token_ids))
+        plan.token_ids.append(request.output_token_ids[-1])
+        plan.positions.append(position)
+        plan.slots.append(request.slot)
+        plan.decode_slots.append(request.slot)
+        plan.decode_lengths.append(position + 1)
+    return plan
+
+
+class Executor:
+    """Runs a scheduled pass on the decoder; sampling copies the tokens to the host.
+
+    Also keeps the host time of every pass (submission to tokens on the host), so
+    the recorder can check the plugin's CUDA-event times against it.
+    """
+
+    def __init__(self, decoder: Decoder, clock: Any) -> None:
+        self.decoder = decoder
+        self._clock = clock
+        self._pending: torch.Tensor | None = None
+        self._started = 0.0
+        self._order: list[int] = []
+        self.host_times_s: list[float] = []
+
+    def execute_model(self, output: SchedulerOutput) -> None:
+        """Enqueue the forward pass (returns before the device finishes)."""
+        self._started = self._clock()
+        plan = plan_pass(output)
+        sampled = self.decoder.forward(plan)
+        # The sampled rows are in plan order (prefills, then decodes); give them back
+        # in batch order, which is how the scheduler consumes them.
+        self._order = _batch_order(output, plan)
+        self._pending = sampled
+
+    def sample_tokens(self, grammar_output: Any = None) -> list[int]:
+        """The sampled token ids, on the host (waits for the device)."""
+        assert self._pending is not None
+        values = self._pending.tolist()
+        self.host_times_s.append(self._clock() - self._started)
+        self._pending = None
+        return [values[i] for i in self._order]
+
+
+def _batch_order(output: SchedulerOutput, plan: PassPlan) -> list[int]:
+    """For each sampling request in batch order, its row among the sampled tokens."""
+    prefill_rows = 0
+    decode_rows = 0
+    n_prefill_samples = sum(
+        1
+        for request, count in output.batch
+        if request.num_computed_tokens < request.num_prompt_tokens
+        and request.num_computed_tokens + count >= request.num_prompt_tokens
+    )
+    order: list[int] = []
+    for request, count in output.batch:
+        done = request.num_computed_tokens
+        if done >= request.num_prompt_tokens:
+            order.append(n_prefill_samples + decode_rows)
+            decode_rows += 1
+        elif done + count >= request.num_prompt_tokens:
+            order.append(prefill_rows)
+            prefill_rows += 1
+    assert len(order) == len(plan.sample_rows)
+    return order

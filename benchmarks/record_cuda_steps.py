@@ -1,0 +1,315 @@
+"""Record real GPU step times through the real engine plugin, for the cost model.
+
+Runs :mod:`gpu_engine` (a vLLM-shaped continuous-batching engine: vLLM itself
+cannot be installed on the lent GPU machine) with the plugin's own parts
+installed as in vLLM: :class:`EngineHook` wraps the scheduler's and executor's
+methods, :class:`CudaPassTimer` times each pass with CUDA events on the
+engine's stream, and :class:`FpmPublisher` sends every pass over ZMQ on
+loopback TCP. A subscriber in this process decodes the frames with the wire
+module and writes one ``msgspec.json`` line per pass, the format of
+``record_fpm.py``, so ``bench_cost_model.py`` scores it like any recording.
+
+It also checks the plugin's timing: the executor keeps each pass's host time
+(submission to sampled tokens on the host, which waits for the device), and
+``<config>.timing.json`` compares it with the CUDA-event ``wall_time`` of the
+same pass (their ratio and difference, medians and tails; the share of passes
+whose events were not ready and fell back to host time).
+
+Load phases (Poisson arrivals; prompt and output lengths uniform in a range):
+``short``, ``long`` (chunked prefill under the token budget), ``decode_heavy``
+(large decode batches), ``mixed``, ``decode_small`` (batches of 1-3).
+
+    python3 benchmarks/record_cuda_steps.py --configs wide eight_b --phase-s 15 --out DIR
+
+On a machine without CUDA, ``--configs tiny`` runs the same path on the CPU
+(host timing), which is what the tests do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "engine_plugin"), str(REPO / "benchmarks")]
+
+import gpu_engine  # noqa: E402
+
+# name: (arrivals per second, prompt length range, output length range)
+PHASES: dict[str, tuple[float, tuple[int, int], tuple[int, int]]] = {
+    "short": (20.0, (32, 256), (16, 96)),
+    "long": (3.0, (1000, 3500), (16, 64)),
+    "decode_heavy": (30.0, (32, 512), (100, 400)),
+    "mixed": (8.0, (32, 2500), (8, 300)),
+    "decode_small": (0.8, (32, 1500), (200, 500)),
+}
+ALL_PHASES = ("short", "long", "decode_heavy", "mixed", "decode_small")
+
+# name: model shape, engine limits, arrival-rate scale (a slower model gets less load).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "wide": dict(shape=gpu_engine.WIDE, budget=2048, seqs=64, max_len=4096, load=1.0),
+    "eight_b": dict(shape=gpu_engine.EIGHT_B, budget=2048, seqs=96, max_len=4096, load=1.5),
+    "tiny": dict(shape=gpu_engine.TINY, budget=512, seqs=16, max_len=4096, load=0.05),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Subscriber:
+    """Receives the published stream and writes each decoded pass as one JSON line."""
+
+    def __init__(self, endpoint: str, path: Path) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.path = path
+        self.messages: list[Any] = []  # passes, heartbeats left out, in arrival order
+        self.malformed = 0
+        self.heartbeats = 0
+        self._stop = threading.Event()
+        self._sock: Any = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+
+        from stepscale_engine import wire
+
+        with gzip.open(self.path, "wb") as fh:
+            while not self._stop.is_set():
+                if not self._sock.poll(50):
+                    continue
+                try:
+                    msg = wire.decode_frames(self._sock.recv_multipart())
+                except wire.DecodeError:
+                    self.malformed += 1
+                    continue
+                fh.write(msgspec.json.encode(msg) + b"\n")
+                if msg.is_heartbeat:
+                    self.heartbeats += 1
+                else:
+                    self.messages.append(msg)
+
+    def wait_for_heartbeat(self, timeout_s: float) -> None:
+        """Return once a heartbeat has arrived (ZMQ drops what is sent before a SUB joins)."""
+        deadline = time.monotonic() + timeout_s
+        while self.heartbeats == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no heartbeat from the publisher within {timeout_s}s")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Stop after what has arrived so far."""
+        time.sleep(0.5)
+        self._stop.set()
+        self._thread.join()
+        self._sock.close()
+
+
+def _arrivals(rng: random.Random, phases: tuple[str, ...], phase_s: float, load: float,
+              vocab: int, max_len: int) -> list[tuple[float, gpu_engine.Request]]:
+    """Every request of the run with its arrival time (seconds from the start)."""
+    out: list[tuple[float, gpu_engine.Request]] = []
+    for index, name in enumerate(phases):
+        rate, (p_lo, p_hi), (o_lo, o_hi) = PHASES[name]
+        t = index * phase_s
+        while True:
+            t += rng.expovariate(rate * load)
+            if t >= (index + 1) * phase_s:
+                break
+            prompt = rng.randint(p_lo, min(p_hi, max_len - o_hi))
+            tokens = [rng.randrange(vocab) for _ in range(prompt)]
+            request = gpu_engine.Request(f"r{len(out)}", tokens, rng.randint(o_lo, o_hi))
+            out.append((t, request))
+    return out
+
+
+def run_engine(
+    scheduler: gpu_engine.Scheduler,
+    executor: gpu_engine.Executor,
+    arrivals: list[tuple[float, gpu_engine.Request]],
+    deadline_s: float,
+) -> int:
+    """The engine loop (vLLM's ``EngineCore.step``): schedule, execute, sample, update."""
+    start = time.perf_counter()
+    pending = list(arrivals)
+    passes = 0
+    while True:
+        now = time.perf_counter() - start
+        while pending and pending[0][0] <= now:
+            scheduler.add_request(pending.pop(0)[1])
+        if now >= deadline_s or (not pending and not scheduler.requests):
+            return passes
+        output = scheduler.schedule()
+        if output.total_num_scheduled_tokens == 0:
+            time.sleep(0.001)
+            continue
+        executor.execute_model(output)
+        sampled = executor.sample_tokens(None)
+        scheduler.update_from_output(output, sampled)
+        passes += 1
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p01": at(0.01), "p50": statistics.median(ordered), "p99": at(0.99)}
+
+
+def timing_check(messages: list[Any], host_times_s: list[float]) -> dict[str, Any]:
+    """The plugin's wall_time of each pass beside the executor's host time of the same pass.
+
+    Passes are paired in order (the hook publishes one message per pass, the
+    executor keeps one host time per pass); ``paired`` is false if the counts differ.
+    """
+    pairs = list(zip(messages, host_times_s, strict=False))
+    by_scope: dict[str, int] = {}
+    for m, _ in pairs:
+        by_scope[str(m.timing_scope)] = by_scope.get(str(m.timing_scope), 0) + 1
+    return {
+        "passes": len(messages),
+        "host_times": len(host_times_s),
+        "paired": len(messages) == len(host_times_s),
+        "scopes": by_scope,
+        "wall_over_host": _quantiles([m.wall_time / h for m, h in pairs if h > 0]),
+        "host_minus_wall_us": _quantiles([(h - m.wall_time) * 1e6 for m, h in pairs]),
+        "wall_time_ms": _quantiles([m.wall_time * 1e3 for m, _ in pairs]),
+    }
+
+
+def record(config_name: str, out_dir: Path, phase_s: float, seed: int,
+           phases: tuple[str, ...], device: str) -> dict[str, Any]:
+    """One configuration: build the engine, install the plugin, run every phase, save."""
+    import torch
+
+    from stepscale_engine.engine_hook import EngineHook
+    from stepscale_engine.pass_timer import CudaPassTimer, HostPassTimer, PassTimer
+    from stepscale_engine.publisher import FpmPublisher
+
+    config = CONFIGS[config_name]
+    shape: gpu_engine.ModelShape = config["shape"]
+    built = time.perf_counter()
+    decoder = gpu_engine.Decoder(shape, config["seqs"], config["max_len"], device)
+    scheduler = gpu_engine.Scheduler(config["budget"], config["seqs"], config["max_len"])
+    executor = gpu_engine.Executor(decoder, time.perf_counter)
+    _warm_up(decoder, config)
+    build_s = time.perf_counter() - built
+
+    port = _free_port()
+    publisher = FpmPublisher(f"tcp://127.0.0.1:{port}", f"cuda-{config_name}", 0).start()
+    timer: PassTimer = CudaPassTimer() if device.startswith("cuda") else HostPassTimer()
+    hook = EngineHook(scheduler, executor, publisher, timer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    subscriber = Subscriber(f"tcp://127.0.0.1:{port}", out_dir / f"cuda_{config_name}.jsonl.gz")
+    subscriber.wait_for_heartbeat(timeout_s=10.0)  # the subscription is live: no pass is lost
+
+    rng = random.Random(seed)
+    arrivals = _arrivals(rng, phases, phase_s, config["load"], shape.vocab, config["max_len"])
+    began = time.perf_counter()
+    passes = run_engine(scheduler, executor, arrivals, deadline_s=len(phases) * phase_s + 30.0)
+    ran_s = time.perf_counter() - began
+    hook.uninstall()
+    subscriber.close()
+
+    check = timing_check(subscriber.messages, executor.host_times_s)
+    meta: dict[str, Any] = {
+        "config": config_name,
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "model": {**shape.__dict__, "parameters": shape.parameters()},
+        "engine_args": {
+            "max_num_batched_tokens": config["budget"],
+            "max_num_seqs": config["seqs"],
+            "max_model_len": config["max_len"],
+        },
+        "phases": list(phases),
+        "phase_s": phase_s,
+        "load_scale": config["load"],
+        "seed": seed,
+        "requests": len(arrivals),
+        "finished": scheduler.finished,
+        "passes": passes,
+        "messages": len(subscriber.messages),
+        "heartbeats": subscriber.heartbeats,
+        "malformed": subscriber.malformed,
+        "hook_errors": hook.errors,
+        "publisher_dropped": publisher.stats.dropped_queue_full,
+        "build_s": round(build_s, 1),
+        "run_s": round(ran_s, 1),
+        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (out_dir / f"cuda_{config_name}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out_dir / f"cuda_{config_name}.timing.json").write_text(json.dumps(check, indent=1) + "\n")
+    print(json.dumps({"meta": meta, "timing": check}), flush=True)
+    del decoder, executor
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return meta
+
+
+def _warm_up(decoder: gpu_engine.Decoder, config: dict[str, Any]) -> None:
+    """Compile the kernel and warm the allocator on a throwaway pass of each kind."""
+    scheduler = gpu_engine.Scheduler(config["budget"], config["seqs"], config["max_len"])
+    executor = gpu_engine.Executor(decoder, time.perf_counter)
+    for i in range(4):
+        tokens = [1] * (config["budget"] // 2 + 3 * i)
+        scheduler.add_request(gpu_engine.Request(f"w{i}", tokens, 4))
+    while scheduler.requests:
+        output = scheduler.schedule()
+        executor.execute_model(output)
+        scheduler.update_from_output(output, executor.sample_tokens(None))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--configs", nargs="+", default=["wide", "eight_b"], choices=sorted(CONFIGS)
+    )
+    parser.add_argument("--phase-s", type=float, default=15.0, help="seconds per load phase")
+    parser.add_argument("--phases", nargs="+", default=list(ALL_PHASES), choices=sorted(PHASES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "recordings")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = parser.parse_args()
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    failed = []
+    for name in args.configs:
+        try:
+            record(name, args.out, args.phase_s, args.seed, tuple(args.phases), device)
+        except Exception:  # noqa: BLE001 - one configuration's failure must not lose the others
+            traceback.print_exc()
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
