@@ -198,25 +198,35 @@ def timing_check(messages: list[Any], host_times_s: list[float]) -> dict[str, An
         "wall_over_host": _quantiles([m.wall_time / h for m, h in pairs if h > 0]),
         "host_minus_wall_us": _quantiles([(h - m.wall_time) * 1e6 for m, h in pairs]),
         "wall_time_ms": _quantiles([m.wall_time * 1e3 for m, _ in pairs]),
-        "first_decode_batch_over_repeats": first_over_repeats(messages),
+        # First use of a pass shape over its later repeats (warm-up check).
+        "first_use_over_repeats": {
+            "decode": first_over_repeats([m for m in messages if _is_decode_only(m)]),
+            "prefill": first_over_repeats([m for m in messages if not _is_decode_only(m)]),
+        },
     }
 
 
-def first_over_repeats(messages: list[Any]) -> dict[str, float]:
-    """Decode-only passes: the first pass of each batch size over its later repeats.
+def _is_decode_only(msg: Any) -> bool:
+    return bool(msg.scheduled_requests.num_prefill_requests == 0)
 
-    Medians over batch sizes seen at least four times. Near 1 when every size was
-    warmed up before the run; above it when a first use costs extra.
+
+def first_over_repeats(messages: list[Any]) -> dict[str, float]:
+    """The first pass of each shape over its later repeats, medians over shapes.
+
+    A shape is the number of prefill requests and the number of tokens in the pass
+    (what sets the kernels' sizes); shapes seen at least four times count. Near 1
+    when every size was warmed up before the run; above it when a first use costs
+    extra.
     """
-    by_size: dict[int, list[float]] = {}
+    by_shape: dict[tuple[int, int], list[float]] = {}
     for m in messages:
         s = m.scheduled_requests
-        if s.num_prefill_requests == 0 and s.num_decode_requests > 0:
-            by_size.setdefault(s.num_decode_requests, []).append(m.wall_time)
+        tokens = s.sum_prefill_tokens + s.num_decode_requests
+        by_shape.setdefault((s.num_prefill_requests, tokens), []).append(m.wall_time)
     ratios = [
-        walls[0] / statistics.median(walls[1:]) for walls in by_size.values() if len(walls) >= 4
+        walls[0] / statistics.median(walls[1:]) for walls in by_shape.values() if len(walls) >= 4
     ]
-    return {"sizes": len(ratios), **_quantiles(ratios)}
+    return {"shapes": len(ratios), **_quantiles(ratios)}
 
 
 def record(config_name: str, out_dir: Path, phase_s: float, seed: int,
@@ -294,16 +304,16 @@ def _warm_up(decoder: gpu_engine.Decoder, config: dict[str, Any]) -> int:
     """Throwaway passes of every size the run can produce; returns how many ran.
 
     A first pass of a new size pays one-off costs of the CUDA runtime (kernels loaded
-    on first use, allocator growth): the first recordings showed a pure decode batch
-    of an unseen size running 1.8x its later repeats. vLLM pays these at start-up (its
+    on first use, allocator growth): in the first H200 recordings, made without this,
+    a prefill-bearing pass of a new shape ran 1.3-2.6x its later repeats (median). vLLM pays these at start-up (its
     profile run and CUDA-graph capture of every decode batch size), so the recording
     should not carry them: one prefill pass of each token count (every count to 64,
-    then every 8th to the budget), one decode pass of each batch size, and chunked
+    then every 4th to the budget), one decode pass of each batch size, and chunked
     prompts whose later chunks attend to cached context.
     """
     budget, seqs, max_len = config["budget"], config["seqs"], config["max_len"]
     rounds: list[list[tuple[int, int]]] = [[(tokens, 1)] for tokens in range(1, 65)]
-    rounds += [[(tokens, 1)] for tokens in range(72, budget + 1, 8)]
+    rounds += [[(tokens, 1)] for tokens in range(68, budget + 1, 4)]
     rounds += [[(8, 2)] * batch for batch in range(1, seqs + 1)]
     rounds.append([(budget // 2 + 3 * i, 4) for i in range(4)])
     passes = 0
