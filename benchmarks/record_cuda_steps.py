@@ -305,8 +305,9 @@ def _warm_up(decoder: gpu_engine.Decoder, config: dict[str, Any]) -> int:
 
     A first pass of a new size pays one-off costs of the CUDA runtime (kernels loaded
     on first use, allocator growth): in the first H200 recordings, made without this,
-    a prefill-bearing pass of a new shape ran 1.3-2.6x its later repeats (median). vLLM pays these at start-up (its
-    profile run and CUDA-graph capture of every decode batch size), so the recording
+    a prefill-bearing pass of a new shape ran 1.3-2.6x its later repeats (median).
+    vLLM pays these at start-up (its profile run and CUDA-graph capture of every
+    decode batch size), so the recording
     should not carry them: one prefill pass of each token count (every count to 64,
     then every 4th to the budget), one decode pass of each batch size, and chunked
     prompts whose later chunks attend to cached context.
