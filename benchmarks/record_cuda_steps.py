@@ -309,12 +309,12 @@ def _warm_up(decoder: gpu_engine.Decoder, config: dict[str, Any]) -> int:
     vLLM pays these at start-up (its profile run and CUDA-graph capture of every
     decode batch size), so the recording
     should not carry them: one prefill pass of each token count (every count to 64,
-    then every 4th to the budget), one decode pass of each batch size, and chunked
+    then every 8th to the budget), one decode pass of each batch size, and chunked
     prompts whose later chunks attend to cached context.
     """
     budget, seqs, max_len = config["budget"], config["seqs"], config["max_len"]
     rounds: list[list[tuple[int, int]]] = [[(tokens, 1)] for tokens in range(1, 65)]
-    rounds += [[(tokens, 1)] for tokens in range(68, budget + 1, 4)]
+    rounds += [[(tokens, 1)] for tokens in range(72, budget + 1, 8)]
     rounds += [[(8, 2)] * batch for batch in range(1, seqs + 1)]
     rounds.append([(budget // 2 + 3 * i, 4) for i in range(4)])
     passes = 0
