@@ -20,7 +20,10 @@ EW-OLS and the non-local noise floor below: ``contended_*`` were recorded while 
 jobs shared the 2 cores (stall runs of 10-30x, which make a plain EW-OLS 69-180%
 MAPE), ``quiet_*`` with the machine otherwise idle (load average 0.2-1.9 with the
 recorder itself; EW-OLS 10.6-19.8%, the fair comparison), each with its recorder's
-``.meta.json`` beside it.
+``.meta.json`` beside it. ``h200_wide`` is real GPU time: CUDA-event ``wall_time``
+from the plugin's own timer on an NVIDIA H200, recorded by
+``benchmarks/record_cuda_steps.py`` (a 14B Llama-shaped model, 16 layers of Llama-3-70B's
+shape, in bf16; 3,283 passes of 9-93 ms).
 """
 
 from __future__ import annotations
@@ -125,8 +128,36 @@ def test_every_recording_at_least_as_accurate_as_ew_ols_and_near_the_nonlocal_fl
 #   (the non-local floor) runs up to 13% faster or slower tenth by tenth of that
 #   recording, and small batches fell in its slow tenths.
 SIGNED_BOUND = 0.035
-PREFILL_SIGNED_BOUND = {"contended": 0.25, "quiet": 0.07}
+PREFILL_SIGNED_BOUND = {"contended": 0.25, "quiet": 0.07, "gpu": SIGNED_BOUND}
 SMALL_DECODE_SIGNED_BOUND = {"fpm_recording_quiet_roomy": 0.065}
+
+
+def _kind(name: str) -> str:
+    """``quiet``, ``contended`` (CPU recordings) or ``gpu``, from the recording's name."""
+    if name.startswith("fpm_recording_quiet_"):
+        return "quiet"
+    return "gpu" if name.startswith("fpm_recording_h200_") else "contended"
+
+
+GPU_RECORDINGS = [p for p in RECORDINGS if _kind(p.name.split(".")[0]) == "gpu"]
+MAX_GPU_MAPE = 0.05  # the issue's target for real CUDA step times; 4.8% when written
+
+
+@pytest.mark.parametrize("path", GPU_RECORDINGS, ids=lambda p: p.name.split(".")[0])
+def test_real_gpu_step_times_within_five_percent_and_unbiased(path: Path) -> None:
+    """On CUDA-timed passes, where the same work takes the same time (non-local floor
+    3.2% MAPE), the model is within 5% MAPE, and within 3.5% at the median in every
+    regime. Measured when written: 4.8% MAPE (EW-OLS 6.8%, Dynamo-style 5.7%), median
+    signed -0.1% (prefill-bearing -0.2%, decode -0.1%, decode 1-3 -1.0%)."""
+    result = _score_recording(path)
+    model = result["all"]["model"]
+    assert model["n"] > 2000
+    assert model["mape"] <= MAX_GPU_MAPE, model
+    assert model["mape"] < result["all"]["baseline"]["mape"]
+    by_regime = result["signed_by_regime"]["model"]
+    assert all(abs(v) < SIGNED_BOUND for v in by_regime.values()), by_regime
+    meta = json.loads(path.with_name(path.name.split(".")[0] + ".meta.json").read_text())
+    assert meta["timing_check"]["scopes"]["model_step_cuda"] > 0.99 * meta["passes"]
 
 
 @pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.name.split(".")[0])
@@ -137,7 +168,7 @@ def test_every_recording_unbiased_overall_and_on_decode_passes(path: Path) -> No
     prefix-shared decode 1-3, and +51% on the bigger model's prefill passes)."""
     result = _score_recording(path)
     name = path.name.split(".")[0]
-    kind = "quiet" if name.startswith("fpm_recording_quiet_") else "contended"
+    kind = _kind(name)
     by_regime = result["signed_by_regime"]["model"]
     assert abs(result["all"]["model"]["median_signed"]) < SIGNED_BOUND, result["all"]["model"]
     assert abs(by_regime["decode"]) < SIGNED_BOUND, by_regime
