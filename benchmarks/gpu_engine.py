@@ -79,7 +79,7 @@ def _decode_attention_kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def decode_attention(
+    def decode_attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_kl, stride_ot, stride_oh,
         group: tl.constexpr, head_dim: tl.constexpr, block: tl.constexpr,
@@ -114,7 +114,7 @@ def _decode_attention_kernel() -> Any:
         out = acc / l_i
         tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
-    return decode_attention
+    return decode_attention_kernel
 
 
 _KERNEL: Any = None
@@ -166,6 +166,7 @@ class PassPlan:
     decode_slots: list[int] = field(default_factory=list)
     decode_lengths: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # token indices whose logits are sampled
+    sampled_for: list[str] = field(default_factory=list)  # the request of each sampled row
 
 
 class Decoder:
@@ -428,14 +429,13 @@ class Scheduler:
             batch=batch,
         )
 
-    def update_from_output(self, output: SchedulerOutput, sampled: list[int]) -> None:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Advance each scheduled request; finished ones give their slot back."""
-        samples = iter(sampled)
         for request, count in output.batch:
             request.num_computed_tokens += count
             if request.num_computed_tokens < request.num_prompt_tokens:
                 continue  # a partial prefill chunk samples nothing
-            request.output_token_ids.append(next(samples))
+            request.output_token_ids.append(sampled[request.request_id])
             if request.num_output_tokens >= request.max_tokens:
                 self.running.remove(request)
                 self.free_slots.append(request.slot)
@@ -459,10 +459,12 @@ def plan_pass(output: SchedulerOutput) -> PassPlan:
         plan.prefills.append((first, count, request.slot, done))
         if done + count >= request.num_prompt_tokens:
             plan.sample_rows.append(first + count - 1)
+            plan.sampled_for.append(request.request_id)
     plan.decode_start = len(plan.token_ids)
     for request in decodes:
         position = request.num_computed_tokens  # the last sampled token goes here
         plan.sample_rows.append(len(plan.token_ids))
+        plan.sampled_for.append(request.request_id)
         plan.token_ids.append(request.output_token_ids[-1])
         plan.positions.append(position)
         plan.slots.append(request.slot)
@@ -483,46 +485,20 @@ class Executor:
         self._clock = clock
         self._pending: torch.Tensor | None = None
         self._started = 0.0
-        self._order: list[int] = []
+        self._sampled_for: list[str] = []
         self.host_times_s: list[float] = []
 
     def execute_model(self, output: SchedulerOutput) -> None:
         """Enqueue the forward pass (returns before the device finishes)."""
         self._started = self._clock()
         plan = plan_pass(output)
-        sampled = self.decoder.forward(plan)
-        # The sampled rows are in plan order (prefills, then decodes); give them back
-        # in batch order, which is how the scheduler consumes them.
-        self._order = _batch_order(output, plan)
-        self._pending = sampled
+        self._pending = self.decoder.forward(plan)
+        self._sampled_for = plan.sampled_for
 
-    def sample_tokens(self, grammar_output: Any = None) -> list[int]:
-        """The sampled token ids, on the host (waits for the device)."""
+    def sample_tokens(self, grammar_output: Any = None) -> dict[str, int]:
+        """The sampled token of each request that samples, on the host (waits for the device)."""
         assert self._pending is not None
         values = self._pending.tolist()
         self.host_times_s.append(self._clock() - self._started)
         self._pending = None
-        return [values[i] for i in self._order]
-
-
-def _batch_order(output: SchedulerOutput, plan: PassPlan) -> list[int]:
-    """For each sampling request in batch order, its row among the sampled tokens."""
-    prefill_rows = 0
-    decode_rows = 0
-    n_prefill_samples = sum(
-        1
-        for request, count in output.batch
-        if request.num_computed_tokens < request.num_prompt_tokens
-        and request.num_computed_tokens + count >= request.num_prompt_tokens
-    )
-    order: list[int] = []
-    for request, count in output.batch:
-        done = request.num_computed_tokens
-        if done >= request.num_prompt_tokens:
-            order.append(n_prefill_samples + decode_rows)
-            decode_rows += 1
-        elif done + count >= request.num_prompt_tokens:
-            order.append(prefill_rows)
-            prefill_rows += 1
-    assert len(order) == len(plan.sample_rows)
-    return order
+        return dict(zip(self._sampled_for, values, strict=True))
