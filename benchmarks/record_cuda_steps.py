@@ -7,7 +7,10 @@ methods, :class:`CudaPassTimer` times each pass with CUDA events on the
 engine's stream, and :class:`FpmPublisher` sends every pass over ZMQ on
 loopback TCP. A subscriber in this process decodes the frames with the wire
 module and writes one ``msgspec.json`` line per pass, the format of
-``record_fpm.py``, so ``bench_cost_model.py`` scores it like any recording.
+``record_fpm.py``, so ``bench_cost_model.py`` scores it like any recording. (It
+shares the engine's interpreter: where passes wait on Python's kernel launches,
+as a 32-layer eager model's do, a subscriber in its own process would disturb
+them less.)
 
 It also checks the plugin's timing: the executor keeps each pass's host time
 (submission to sampled tokens on the host, which waits for the device), and
@@ -76,7 +79,6 @@ class Subscriber:
     def __init__(self, endpoint: str, path: Path) -> None:
         import zmq
 
-        self._zmq = zmq
         self.path = path
         self.messages: list[Any] = []  # passes, heartbeats left out, in arrival order
         self.malformed = 0
