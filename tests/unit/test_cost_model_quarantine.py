@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 
 from stepscale_operator.controller.status import cost_model_status
-from stepscale_operator.cost_model import CostModel
+from stepscale_operator.cost_model import CostModel, sched_matrix
+from tests.conftest import REPO_ROOT, benchmark_module
 from tests.unit.test_cost_model import compositions, step_times
+
+load_recording = benchmark_module("bench_cost_model").load_recording
 
 GOOD = [(f"good-{i}", 0) for i in range(4)]
 BAD = ("bad", 0)
@@ -30,24 +33,38 @@ def _stream_keys(rng: np.random.Generator, n: int) -> list[tuple[str, int]]:
 
 
 def _run(factor: float, seed: int = 5, **model_kw: float) -> tuple[CostModel, float]:
-    """Feed N passes in batches of 64; the bad pod's times are ``factor`` x the truth.
+    """Feed N synthetic passes in batches of 64; the bad pod's times are ``factor`` x
+    the truth.
 
     Returns the model and the prequential MAPE on the good pods' passes of the second
     half (what the planner would have been told about them)."""
     rng = np.random.default_rng(seed)
     sched = compositions(rng, N)
     wall = step_times(rng, sched, NOISE)
-    keys = _stream_keys(rng, N)
+    return _feed_with_bad_pod(rng, sched, wall, factor, **model_kw)
+
+
+def _feed_with_bad_pod(
+    rng: np.random.Generator,
+    sched: np.ndarray,
+    wall: np.ndarray,
+    factor: float,
+    **model_kw: float,
+) -> tuple[CostModel, float]:
+    """Spread the passes over the pods (60% to BAD, whose times are ``factor`` x true),
+    feed them in batches of 64; the model and the second half's good-pod MAPE."""
+    n = wall.shape[0]
+    keys = _stream_keys(rng, n)
     is_bad = np.array([k == BAD for k in keys])
     reported = np.where(is_bad, wall * factor, wall)
     model = CostModel(warmup_passes=0, **model_kw)
-    preds = np.full(N, np.nan)
-    for s in range(0, N, 64):
+    preds = np.full(n, np.nan)
+    for s in range(0, n, 64):
         preds[s : s + 64] = model.update_batch(
             sched[s : s + 64], reported[s : s + 64], keys[s : s + 64]
         )
     scored = ~is_bad & np.isfinite(preds)
-    scored[: N // 2] = False
+    scored[: n // 2] = False
     ape = np.abs(preds[scored] - wall[scored]) / wall[scored]
     return model, float(ape.mean())
 
@@ -76,6 +93,32 @@ def test_a_bad_pod_with_most_of_the_passes_cannot_take_the_model_over(
     status = cost_model_status(model.to_dict())
     assert list(status["quarantinedStreams"]) == ["bad/0"]
     assert status["quarantinedStreams"]["bad/0"] == pytest.approx(factor - 1.0, rel=0.25)
+
+
+GPU_RECORDING = REPO_ROOT / "tests" / "data" / "fpm_recording_h200_wide.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def gpu_passes() -> tuple[np.ndarray, np.ndarray]:
+    """The H200 recording's passes: composition matrix and CUDA-timed wall times."""
+    passes = [m for m in load_recording(GPU_RECORDING) if m.wall_time > 0]
+    return sched_matrix([m.scheduled_requests for m in passes]), np.array(
+        [m.wall_time for m in passes]
+    )
+
+
+@pytest.mark.parametrize("factor", [1 / 50, 20.0])
+def test_a_bad_pod_cannot_take_over_on_real_gpu_step_times(
+    factor: float, gpu_passes: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """The same on real CUDA step times (the H200 recording's passes spread over five
+    pods of one engine type): within 2 points of the clean MAPE, the bad pod named."""
+    sched, wall = gpu_passes
+    _, clean = _feed_with_bad_pod(np.random.default_rng(2), sched, wall, 1.0)
+    model, mape = _feed_with_bad_pod(np.random.default_rng(2), sched, wall, factor)
+    assert mape <= clean + 0.02, (mape, clean)
+    assert list(model.quality.quarantined) == ["bad/0"]
+    assert model.quality.quarantined["bad/0"] == pytest.approx(factor - 1.0, rel=0.25)
 
 
 def test_without_quarantine_the_bad_pod_takes_the_model_over(clean_mape: float) -> None:
