@@ -141,12 +141,13 @@ def _kind(name: str) -> str:
 
 GPU_RECORDINGS = [p for p in RECORDINGS if _kind(p.name.split(".")[0]) == "gpu"]
 MAX_GPU_MAPE = 0.05  # the issue's target for real CUDA step times; 4.8% when written
+GPU_SIGNED_BOUND = 0.03  # the issue's, per regime; at most 1.0% when written
 
 
 @pytest.mark.parametrize("path", GPU_RECORDINGS, ids=lambda p: p.name.split(".")[0])
 def test_real_gpu_step_times_within_five_percent_and_unbiased(path: Path) -> None:
     """On CUDA-timed passes, where the same work takes the same time (non-local floor
-    3.2% MAPE), the model is within 5% MAPE, and within 3.5% at the median in every
+    3.2% MAPE), the model is within 5% MAPE, and within 3% at the median in every
     regime. Measured when written: 4.8% MAPE (EW-OLS 6.8%, Dynamo-style 5.7%), median
     signed -0.1% (prefill-bearing -0.2%, decode -0.1%, decode 1-3 -1.0%)."""
     result = _score_recording(path)
@@ -155,7 +156,7 @@ def test_real_gpu_step_times_within_five_percent_and_unbiased(path: Path) -> Non
     assert model["mape"] <= MAX_GPU_MAPE, model
     assert model["mape"] < result["all"]["baseline"]["mape"]
     by_regime = result["signed_by_regime"]["model"]
-    assert all(abs(v) < SIGNED_BOUND for v in by_regime.values()), by_regime
+    assert all(abs(v) < GPU_SIGNED_BOUND for v in by_regime.values()), by_regime
     meta = json.loads(path.with_name(path.name.split(".")[0] + ".meta.json").read_text())
     assert meta["timing_check"]["scopes"]["model_step_cuda"] > 0.99 * meta["passes"]
 
