@@ -60,8 +60,8 @@ def test_chunked_prefill_and_decode_compute_what_one_pass_would() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
 def test_the_triton_decode_kernel_matches_sdpa() -> None:
     # Triton's interpreter runs the GPU kernel on the CPU; it is chosen when Triton is
-    # imported, hence a fresh process. CI has no Triton (skipped there); on the GPU
-    # machine the recorder runs the kernel compiled.
+    # imported, hence a fresh process. vLLM's CPU install brings Triton (through
+    # xgrammar), so CI runs this; on the GPU machine the recorder runs it compiled.
     code = (
         "from tests.unit.test_gpu_engine import _generate;"
         "assert _generate(budget=64, use_triton=True) == _generate(budget=64)"
