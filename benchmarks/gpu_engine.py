@@ -20,10 +20,12 @@ is what the plugin and the cost model see:
   a pass's cost follows its tokens, its decode batch and its KV depth as in
   vLLM's paged attention.
 
-Not modelled: prefix caching, preemption (a request is admitted only when a
-slot is free), CUDA graphs (vLLM captures decode batches; this runs eagerly,
-like vLLM with ``enforce_eager``). On a CPU-only machine the same engine runs a
-tiny model with per-request SDPA decode attention, which is how the tests run it.
+Decode-only passes can be replayed from CUDA graphs, one per batch size, padded
+up to the next captured size (:class:`DecodeGraphs`, vLLM's default); otherwise
+every pass runs eagerly, like vLLM with ``enforce_eager``. Not modelled: prefix
+caching, preemption (a request is admitted only when a slot is free). On a
+CPU-only machine the same engine runs a tiny model with per-request SDPA decode
+attention, which is how the tests run it.
 """
 
 from __future__ import annotations
@@ -199,13 +201,23 @@ class Decoder:
         ]
         self.final_norm = torch.ones(s.hidden, device=self.device, dtype=self.dtype)
         self.lm_head = weight(s.hidden, s.vocab)
-        cache_shape = (s.layers, num_slots, s.kv_heads, max_len, d)
+        # One spare slot beyond the requests': padding rows of a captured decode batch
+        # write and read there.
+        self.spare_slot = num_slots
+        cache_shape = (s.layers, num_slots + 1, s.kv_heads, max_len, d)
         self.cache_k = torch.zeros(cache_shape, device=self.device, dtype=self.dtype)
         self.cache_v = torch.zeros(cache_shape, device=self.device, dtype=self.dtype)
         inv_freq = 1.0 / (500_000.0 ** (torch.arange(0, d, 2, device=self.device) / d))
         angles = torch.outer(torch.arange(max_len, device=self.device), inv_freq)
         self.cos = angles.cos().to(self.dtype)
         self.sin = angles.sin().to(self.dtype)
+        self.graphs: DecodeGraphs | None = None
+
+    def use_decode_graphs(self, max_batch: int, capture: bool | None = None) -> None:
+        """Replay decode-only passes from CUDA graphs (captured now; eager on the CPU)."""
+        if capture is None:
+            capture = self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self, capture_sizes(max_batch), capture)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -226,17 +238,43 @@ class Decoder:
             return self._forward(plan)
 
     def _forward(self, plan: PassPlan) -> torch.Tensor:
-        s, d, dev = self.shape, self.shape.head_dim, self.device
-        tokens = torch.tensor(plan.token_ids, device=dev)
-        positions = torch.tensor(plan.positions, device=dev)
-        slots = torch.tensor(plan.slots, device=dev)
-        dec_slots = torch.tensor(plan.decode_slots, device=dev, dtype=torch.int32)
-        dec_lengths = torch.tensor(plan.decode_lengths, device=dev, dtype=torch.int32)
+        if self.graphs is not None and not plan.prefills and plan.decode_slots:
+            sampled = self.graphs.replay(plan)
+            if sampled is not None:
+                return sampled
+        return self.run(self.inputs(plan), plan.prefills, plan.decode_start)
+
+    def inputs(self, plan: PassPlan) -> PassInputs:
+        """The pass's index tensors on the device."""
+        dev = self.device
+        return PassInputs(
+            tokens=torch.tensor(plan.token_ids, device=dev),
+            positions=torch.tensor(plan.positions, device=dev),
+            slots=torch.tensor(plan.slots, device=dev),
+            decode_slots=torch.tensor(plan.decode_slots, device=dev, dtype=torch.int32),
+            decode_lengths=torch.tensor(plan.decode_lengths, device=dev, dtype=torch.int32),
+            sample_rows=torch.tensor(plan.sample_rows, device=dev, dtype=torch.long),
+        )
+
+    def run(
+        self,
+        inputs: PassInputs,
+        prefills: list[tuple[int, int, int, int]],
+        decode_start: int,
+    ) -> torch.Tensor:
+        """The forward pass over ``inputs``; the sampled token ids (on device).
+
+        Reads nothing from the host once the inputs are on the device, so a pass of
+        decodes alone can be captured as a CUDA graph and replayed.
+        """
+        s, d = self.shape, self.shape.head_dim
+        positions, slots = inputs.positions, inputs.slots
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
-        n = tokens.shape[0]
+        n = inputs.tokens.shape[0]
         group = s.heads // s.kv_heads
-        x = self.embed[tokens]
+        has_decodes = inputs.decode_slots.shape[0] > 0
+        x = self.embed[inputs.tokens]
         for index, layer in enumerate(self.layers):
             h = functional.rms_norm(x, (s.hidden,), layer["norm1"])
             qkv = (h @ layer["wqkv"]).view(n, s.heads + 2 * s.kv_heads, d)
@@ -247,7 +285,7 @@ class Decoder:
             cache_k[slots, :, positions] = k
             cache_v[slots, :, positions] = v
             attn = torch.empty_like(q)
-            for first, count, slot, cached in plan.prefills:
+            for first, count, slot, cached in prefills:
                 length = cached + count
                 kk = cache_k[slot, :, :length].repeat_interleave(group, dim=0)[None]
                 vv = cache_v[slot, :, :length].repeat_interleave(group, dim=0)[None]
@@ -260,19 +298,104 @@ class Decoder:
                     bias = causal_lower_right(count, length)
                     o = functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=bias)
                 attn[first : first + count] = o[0].transpose(0, 1)
-            if plan.decode_slots:
-                start = plan.decode_start
+            if has_decodes:
                 decode_attention(
-                    q[start:], cache_k, cache_v, dec_slots, dec_lengths, attn[start:],
-                    self.use_triton,
+                    q[decode_start:], cache_k, cache_v, inputs.decode_slots,
+                    inputs.decode_lengths, attn[decode_start:], self.use_triton,
                 )
             x = x + attn.reshape(n, s.heads * d) @ layer["wo"]
             h = functional.rms_norm(x, (s.hidden,), layer["norm2"])
             gate, up = (h @ layer["wgu"]).chunk(2, dim=-1)
             x = x + (functional.silu(gate) * up) @ layer["wdown"]
-        rows = torch.tensor(plan.sample_rows, device=dev, dtype=torch.long)
-        last = functional.rms_norm(x[rows], (s.hidden,), self.final_norm)
+        last = functional.rms_norm(x[inputs.sample_rows], (s.hidden,), self.final_norm)
         return (last @ self.lm_head).argmax(dim=-1)
+
+
+@dataclass
+class PassInputs:
+    """One pass's index tensors, on the model's device."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    decode_slots: torch.Tensor  # int32
+    decode_lengths: torch.Tensor  # int32
+    sample_rows: torch.Tensor
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Decode batch sizes with a graph of their own: vLLM's default list, up to ``max_batch``."""
+    sizes = [1, 2, 4, *range(8, 513, 8)]
+    below = [b for b in sizes if b < max_batch]
+    return [*below, max_batch]
+
+
+class DecodeGraphs:
+    """Passes of decodes alone replayed from CUDA graphs, one per batch size, as vLLM does.
+
+    A batch is padded up to the next captured size; padding rows read and write the
+    decoder's spare cache slot only. ``capture=False`` keeps the padded static inputs
+    but runs the pass eagerly (how the CPU tests check the padding).
+    """
+
+    def __init__(self, decoder: Decoder, sizes: list[int], capture: bool) -> None:
+        self.decoder = decoder
+        self.sizes = sorted(sizes)
+        self.replays = 0
+        self.padded_replays = 0
+        self._static: dict[int, PassInputs] = {}
+        self._graphs: dict[int, Any] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        dev = decoder.device
+        for size in sorted(self.sizes, reverse=True):  # largest first: the pool is reused
+            rows = torch.arange(size, device=dev)
+            pad = torch.full((size,), decoder.spare_slot, device=dev)
+            self._static[size] = PassInputs(
+                tokens=torch.zeros(size, dtype=torch.long, device=dev),
+                positions=torch.zeros(size, dtype=torch.long, device=dev),
+                slots=pad.clone(),
+                decode_slots=pad.to(torch.int32),
+                decode_lengths=torch.ones(size, dtype=torch.int32, device=dev),
+                sample_rows=rows,
+            )
+        if capture:
+            self._capture()
+
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.sizes, reverse=True):
+            static = self._static[size]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile and allocate outside the capture
+                    self.decoder.run(static, [], 0)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self.decoder.run(static, [], 0)
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def replay(self, plan: PassPlan) -> torch.Tensor | None:
+        """The sampled ids of a decode-only pass, or None if no captured size holds it."""
+        n = len(plan.decode_slots)
+        size = next((b for b in self.sizes if b >= n), None)
+        if size is None:
+            return None
+        static, pad = self._static[size], size - n
+        spare = self.decoder.spare_slot
+        static.tokens.copy_(torch.tensor(plan.token_ids + [0] * pad))
+        static.positions.copy_(torch.tensor(plan.positions + [0] * pad))
+        static.slots.copy_(torch.tensor(plan.slots + [spare] * pad))
+        static.decode_slots.copy_(torch.tensor(plan.decode_slots + [spare] * pad))
+        static.decode_lengths.copy_(torch.tensor(plan.decode_lengths + [1] * pad))
+        self.replays += 1
+        self.padded_replays += pad > 0
+        if size in self._graphs:
+            self._graphs[size].replay()
+            return self._outputs[size][:n]
+        return self.decoder.run(static, [], 0)[:n]
 
 
 # -- requests and scheduling -------------------------------------------------------

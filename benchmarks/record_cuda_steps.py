@@ -23,6 +23,7 @@ Load phases (Poisson arrivals; prompt and output lengths uniform in a range):
 (large decode batches), ``mixed``, ``decode_small`` (batches of 1-3).
 
     python3 benchmarks/record_cuda_steps.py --configs wide eight_b --phase-s 15 --out DIR
+    [--cuda-graphs]
 
 On a machine without CUDA, ``--configs tiny`` runs the same path on the CPU
 (host timing), which is what the tests do.
@@ -232,7 +233,7 @@ def first_over_repeats(messages: list[Any]) -> dict[str, float]:
 
 
 def record(config_name: str, out_dir: Path, phase_s: float, seed: int,
-           phases: tuple[str, ...], device: str) -> dict[str, Any]:
+           phases: tuple[str, ...], device: str, cuda_graphs: bool = False) -> dict[str, Any]:
     """One configuration: build the engine, install the plugin, run every phase, save."""
     import torch
 
@@ -244,6 +245,8 @@ def record(config_name: str, out_dir: Path, phase_s: float, seed: int,
     shape: gpu_engine.ModelShape = config["shape"]
     built = time.perf_counter()
     decoder = gpu_engine.Decoder(shape, config["seqs"], config["max_len"], device)
+    if cuda_graphs:
+        decoder.use_decode_graphs(config["seqs"])
     scheduler = gpu_engine.Scheduler(config["budget"], config["seqs"], config["max_len"])
     executor = gpu_engine.Executor(decoder, time.perf_counter)
     warm_up_passes = _warm_up(decoder, config)
@@ -289,6 +292,8 @@ def record(config_name: str, out_dir: Path, phase_s: float, seed: int,
         "hook_errors": hook.errors,
         "publisher_dropped": publisher.stats.dropped_queue_full,
         "warm_up_passes": warm_up_passes,
+        "decode_graphs": decoder.graphs.sizes if decoder.graphs is not None else [],
+        "graph_replays": decoder.graphs.replays if decoder.graphs is not None else 0,
         "build_s": round(build_s, 1),
         "run_s": round(ran_s, 1),
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -343,6 +348,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "results" / "recordings")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="replay decode-only passes from CUDA graphs"
+    )
     args = parser.parse_args()
     import torch
 
@@ -351,7 +359,10 @@ def main() -> int:
     failed = []
     for name in args.configs:
         try:
-            record(name, args.out, args.phase_s, args.seed, tuple(args.phases), device)
+            record(
+                name, args.out, args.phase_s, args.seed, tuple(args.phases), device,
+                cuda_graphs=args.cuda_graphs,
+            )
         except Exception:  # noqa: BLE001 - one configuration's failure must not lose the others
             traceback.print_exc()
             failed.append(name)

@@ -28,17 +28,27 @@ def _engine() -> ModuleType:
     return benchmark_module("gpu_engine")
 
 
-def _generate(budget: int, use_triton: bool = False) -> dict[str, list[int]]:
-    """Greedy outputs of a fixed set of requests, scheduled under ``budget`` tokens a pass."""
+def _generate(
+    budget: int,
+    use_triton: bool = False,
+    padded_decodes: bool = False,
+    decoders: list[object] | None = None,
+) -> dict[str, list[int]]:
+    """Greedy outputs of a fixed set of requests, scheduled under ``budget`` tokens a
+    pass (the decoder used is appended to ``decoders``)."""
     engine = _engine()
     decoder = engine.Decoder(engine.TINY, num_slots=4, max_len=256, device="cpu")
+    if decoders is not None:
+        decoders.append(decoder)
     decoder.use_triton = use_triton
+    if padded_decodes:
+        decoder.use_decode_graphs(max_batch=4, capture=False)
     scheduler = engine.Scheduler(budget, max_num_seqs=4, max_len=256)
     executor = engine.Executor(decoder, clock=lambda: 0.0)
     rng = random.Random(3)
     requests = [
         engine.Request(f"r{i}", [rng.randrange(256) for _ in range(length)], out)
-        for i, (length, out) in enumerate([(70, 6), (5, 9), (130, 4), (33, 7), (90, 5)])
+        for i, (length, out) in enumerate([(70, 16), (5, 24), (130, 8), (33, 20), (90, 12)])
     ]
     for request in requests:
         scheduler.add_request(request)
@@ -53,8 +63,20 @@ def test_chunked_prefill_and_decode_compute_what_one_pass_would() -> None:
     # A budget of 512 takes every prompt whole; 16 cuts them into chunks that attend
     # to the cached context (lower-right causal), mixed with other requests' decodes.
     whole = _generate(budget=512)
-    assert [len(v) for v in whole.values()] == [6, 9, 4, 7, 5]
+    assert [len(v) for v in whole.values()] == [16, 24, 8, 20, 12]
     assert _generate(budget=16) == whole
+
+
+def test_padded_decode_batches_compute_what_unpadded_ones_do() -> None:
+    # The static, padded inputs that CUDA graphs replay (captured sizes 1, 2, 4 here:
+    # a batch of 3 runs padded to 4, its padding in the spare slot), run eagerly.
+    engine = _engine()
+    assert engine.capture_sizes(4) == [1, 2, 4]
+    assert engine.capture_sizes(96)[-3:] == [80, 88, 96]
+    decoders: list[object] = []
+    assert _generate(budget=16, padded_decodes=True, decoders=decoders) == _generate(budget=16)
+    graphs = decoders[0].graphs  # type: ignore[attr-defined]
+    assert graphs.replays > 10 and graphs.padded_replays > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
