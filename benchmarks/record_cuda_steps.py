@@ -5,12 +5,10 @@ cannot be installed on the lent GPU machine) with the plugin's own parts
 installed as in vLLM: :class:`EngineHook` wraps the scheduler's and executor's
 methods, :class:`CudaPassTimer` times each pass with CUDA events on the
 engine's stream, and :class:`FpmPublisher` sends every pass over ZMQ on
-loopback TCP. A subscriber in this process decodes the frames with the wire
+loopback TCP. A subscriber in a process of its own (``fpm_sink.py``, so that it
+never holds the engine's interpreter lock) decodes the frames with the wire
 module and writes one ``msgspec.json`` line per pass, the format of
-``record_fpm.py``, so ``bench_cost_model.py`` scores it like any recording. (It
-shares the engine's interpreter: where passes wait on Python's kernel launches,
-as a 32-layer eager model's do, a subscriber in its own process would disturb
-them less.)
+``record_fpm.py``, so ``bench_cost_model.py`` scores it like any recording.
 
 It also checks the plugin's timing: the executor keeps each pass's host time
 (submission to sampled tokens on the host, which waits for the device), and
@@ -36,10 +34,11 @@ import gzip
 import json
 import os
 import random
+import select
 import socket
 import statistics
+import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -74,58 +73,43 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class Subscriber:
-    """Receives the published stream and writes each decoded pass as one JSON line."""
+class SinkProcess:
+    """``fpm_sink.py`` in a process of its own: subscribes, writes the stream to ``path``."""
 
-    def __init__(self, endpoint: str, path: Path) -> None:
-        import zmq
-
+    def __init__(self, endpoint: str, path: Path, timeout_s: float = 30.0) -> None:
         self.path = path
-        self.messages: list[Any] = []  # passes, heartbeats left out, in arrival order
-        self.malformed = 0
-        self.heartbeats = 0
-        self._stop = threading.Event()
-        self._sock: Any = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.connect(endpoint)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._proc = subprocess.Popen(
+            [sys.executable, str(REPO / "benchmarks" / "fpm_sink.py"), endpoint, str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        # The subscription is live once a heartbeat has come through: no pass is lost.
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        if not ready or self._proc.stdout.readline().strip() != "live":
+            self._proc.kill()
+            raise RuntimeError(f"no heartbeat reached the subscriber within {timeout_s}s")
 
-    def _run(self) -> None:
+    def close(self, published: int) -> dict[str, int]:
+        """Stop once the ``published`` passes have arrived (or it gave up waiting);
+        its counts (messages, heartbeats, malformed)."""
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(f"stop {published}\n")
+        self._proc.stdin.flush()
+        counts: dict[str, int] = json.loads(self._proc.stdout.readline())
+        self._proc.wait(timeout=30)
+        return counts
+
+    def passes(self) -> list[Any]:
+        """The recorded passes (heartbeats left out), in arrival order."""
         import msgspec
 
         from stepscale_engine import wire
 
-        with gzip.open(self.path, "wb") as fh:
-            while not self._stop.is_set():
-                if not self._sock.poll(50):
-                    continue
-                try:
-                    msg = wire.decode_frames(self._sock.recv_multipart())
-                except wire.DecodeError:
-                    self.malformed += 1
-                    continue
-                fh.write(msgspec.json.encode(msg) + b"\n")
-                if msg.is_heartbeat:
-                    self.heartbeats += 1
-                else:
-                    self.messages.append(msg)
-
-    def wait_for_heartbeat(self, timeout_s: float) -> None:
-        """Return once a heartbeat has arrived (ZMQ drops what is sent before a SUB joins)."""
-        deadline = time.monotonic() + timeout_s
-        while self.heartbeats == 0:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no heartbeat from the publisher within {timeout_s}s")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        """Stop after what has arrived so far."""
-        time.sleep(0.5)
-        self._stop.set()
-        self._thread.join()
-        self._sock.close()
+        with gzip.open(self.path, "rb") as fh:
+            msgs = [msgspec.json.decode(line, type=wire.ForwardPassMetrics) for line in fh]
+        return [m for m in msgs if not m.is_heartbeat]
 
 
 def _arrivals(rng: random.Random, phases: tuple[str, ...], phase_s: float, load: float,
@@ -257,8 +241,7 @@ def record(config_name: str, out_dir: Path, phase_s: float, seed: int,
     timer: PassTimer = CudaPassTimer() if device.startswith("cuda") else HostPassTimer()
     hook = EngineHook(scheduler, executor, publisher, timer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    subscriber = Subscriber(f"tcp://127.0.0.1:{port}", out_dir / f"cuda_{config_name}.jsonl.gz")
-    subscriber.wait_for_heartbeat(timeout_s=10.0)  # the subscription is live: no pass is lost
+    sink = SinkProcess(f"tcp://127.0.0.1:{port}", out_dir / f"cuda_{config_name}.jsonl.gz")
 
     rng = random.Random(seed)
     arrivals = _arrivals(rng, phases, phase_s, config["load"], shape.vocab, config["max_len"])
@@ -266,9 +249,10 @@ def record(config_name: str, out_dir: Path, phase_s: float, seed: int,
     passes = run_engine(scheduler, executor, arrivals, deadline_s=len(phases) * phase_s + 30.0)
     ran_s = time.perf_counter() - began
     hook.uninstall()
-    subscriber.close()
+    counts = sink.close(published=publisher.stats.enqueued)
+    passes_recorded = sink.passes()
 
-    check = timing_check(subscriber.messages, executor.host_times_s)
+    check = timing_check(passes_recorded, executor.host_times_s)
     meta: dict[str, Any] = {
         "config": config_name,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
@@ -286,9 +270,9 @@ def record(config_name: str, out_dir: Path, phase_s: float, seed: int,
         "requests": len(arrivals),
         "finished": scheduler.finished,
         "passes": passes,
-        "messages": len(subscriber.messages),
-        "heartbeats": subscriber.heartbeats,
-        "malformed": subscriber.malformed,
+        "messages": counts["messages"],
+        "heartbeats": counts["heartbeats"],
+        "malformed": counts["malformed"],
         "hook_errors": hook.errors,
         "publisher_dropped": publisher.stats.dropped_queue_full,
         "warm_up_passes": warm_up_passes,
