@@ -24,7 +24,11 @@ Load phases (Poisson arrivals; prompt and output lengths uniform in a range):
     [--cuda-graphs]
 
 On a machine without CUDA, ``--configs tiny`` runs the same path on the CPU
-(host timing), which is what the tests do.
+(host timing), which is what the tests do. Needs PyTorch, Triton, pyzmq and
+msgspec; on a GPU machine with no package index, carry the last two as wheels for
+its Python (``pip download --no-deps --only-binary=:all: --python-version 3.12
+--platform manylinux_2_28_x86_64 pyzmq msgspec``) and install them with
+``pip install --no-index --target DIR``, DIR on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
