@@ -50,6 +50,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -214,17 +215,8 @@ class LoadEstimator:
         self._slots: OrderedDict[StreamKey, int] = OrderedDict()
         cap = 8
         self._free: list[int] = list(range(cap - 1, -1, -1))
-        self._bucket_id = np.full((cap, self._ring_len), -1, dtype=np.int64)
-        self._sums = np.zeros((cap, self._ring_len, _N_COLS))
-        self._first_seen = np.full(cap, np.nan)
-        self._last_seen = np.full(cap, np.nan)
-        self._queued = np.zeros((cap, 3))  # latest: prefill requests, prefill tokens, decode reqs
-        self._q_time = np.full(cap, np.nan)  # when the latest queue was reported
-        self._budget = np.zeros(cap)  # largest prefill_tokens + decode_requests seen
-        self._prev_full = np.zeros(cap, dtype=bool)
-        # The last full pass of each stream, until its next message tells which of its
-        # prompts went on (_PEND_* columns; no requests: none pending).
-        self._pending_full = np.zeros((cap, 4))
+        for name, shape, fill in self._per_stream():
+            setattr(self, name, np.full((cap, *shape), fill))
         self._outputs = OutputLengthEstimator()
         self.rejected: dict[str, int] = {}  # implausible messages by reason
 
@@ -261,33 +253,43 @@ class LoadEstimator:
         self._slots[key] = slot
         return slot
 
+    # Per-stream state, one row per slot: what a new or forgotten stream starts from.
+    _bucket_id: npt.NDArray[np.int64]  # the ring's bucket numbers (-1: empty)
+    _sums: FloatArray  # the ring's per-bucket sums (_N_COLS columns)
+    _first_seen: FloatArray
+    _last_seen: FloatArray
+    _queued: FloatArray  # latest: prefill requests, prefill tokens, decode requests
+    _q_time: FloatArray  # when the latest queue was reported
+    _budget: FloatArray  # largest prefill_tokens + decode_requests seen
+    _prev_full: npt.NDArray[np.bool_]
+    # The last full pass of each stream, until its next message tells which of its
+    # prompts went on (_PEND_* columns; no requests: none pending).
+    _pending_full: FloatArray
+
+    def _per_stream(self) -> tuple[tuple[str, tuple[int, ...], Any], ...]:
+        """Each per-stream array: its name, the shape of one stream's row, its fill."""
+        return (
+            ("_bucket_id", (self._ring_len,), np.int64(-1)),
+            ("_sums", (self._ring_len, _N_COLS), 0.0),
+            ("_first_seen", (), np.nan),
+            ("_last_seen", (), np.nan),
+            ("_queued", (3,), 0.0),
+            ("_q_time", (), np.nan),
+            ("_budget", (), 0.0),
+            ("_prev_full", (), False),
+            ("_pending_full", (4,), 0.0),
+        )
+
     def _grow(self) -> None:
         """Double the slot capacity (amortised O(1) per new stream)."""
         old = self._bucket_id.shape[0]
-        pad = old
-        self._bucket_id = np.vstack(
-            [self._bucket_id, np.full((pad, self._ring_len), -1, dtype=np.int64)]
-        )
-        self._sums = np.concatenate([self._sums, np.zeros((pad, self._ring_len, _N_COLS))])
-        self._first_seen = np.r_[self._first_seen, np.full(pad, np.nan)]
-        self._last_seen = np.r_[self._last_seen, np.full(pad, np.nan)]
-        self._queued = np.vstack([self._queued, np.zeros((pad, 3))])
-        self._q_time = np.r_[self._q_time, np.full(pad, np.nan)]
-        self._budget = np.r_[self._budget, np.zeros(pad)]
-        self._prev_full = np.r_[self._prev_full, np.zeros(pad, dtype=bool)]
-        self._pending_full = np.vstack([self._pending_full, np.zeros((pad, 4))])
+        for name, shape, fill in self._per_stream():
+            setattr(self, name, np.concatenate([getattr(self, name), np.full((old, *shape), fill)]))
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
     def _reset_slot(self, slot: int) -> None:
-        self._bucket_id[slot] = -1
-        self._sums[slot] = 0.0
-        self._first_seen[slot] = np.nan
-        self._last_seen[slot] = np.nan
-        self._queued[slot] = 0.0
-        self._q_time[slot] = np.nan
-        self._budget[slot] = 0.0
-        self._prev_full[slot] = False
-        self._pending_full[slot] = 0.0
+        for name, _, fill in self._per_stream():
+            getattr(self, name)[slot] = fill
         self._outputs.forget(slot)
 
     # -- observation -----------------------------------------------------------
