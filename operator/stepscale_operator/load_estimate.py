@@ -187,6 +187,20 @@ def load_matrices(msgs: Sequence[ForwardPassMetrics]) -> tuple[FloatArray, Float
 class LoadEstimator:
     """Fleet load of one deployment over a sliding window, from its FPM streams."""
 
+    # Per-stream state, one row per slot (see _per_stream for what a new or forgotten
+    # stream starts from).
+    _bucket_id: npt.NDArray[np.int64]  # the ring's bucket numbers (-1: empty)
+    _sums: FloatArray  # the ring's per-bucket sums (_N_COLS columns)
+    _first_seen: FloatArray
+    _last_seen: FloatArray
+    _queued: FloatArray  # latest: prefill requests, prefill tokens, decode requests
+    _q_time: FloatArray  # when the latest queue was reported
+    _budget: FloatArray  # largest prefill_tokens + decode_requests seen
+    _prev_full: npt.NDArray[np.bool_]
+    # The last full pass of each stream, until its next message tells which of its
+    # prompts went on (_PEND_* columns; no requests: none pending).
+    _pending_full: FloatArray
+
     def __init__(
         self,
         window_s: float = 30.0,
@@ -252,19 +266,6 @@ class LoadEstimator:
         slot = self._free.pop()
         self._slots[key] = slot
         return slot
-
-    # Per-stream state, one row per slot: what a new or forgotten stream starts from.
-    _bucket_id: npt.NDArray[np.int64]  # the ring's bucket numbers (-1: empty)
-    _sums: FloatArray  # the ring's per-bucket sums (_N_COLS columns)
-    _first_seen: FloatArray
-    _last_seen: FloatArray
-    _queued: FloatArray  # latest: prefill requests, prefill tokens, decode requests
-    _q_time: FloatArray  # when the latest queue was reported
-    _budget: FloatArray  # largest prefill_tokens + decode_requests seen
-    _prev_full: npt.NDArray[np.bool_]
-    # The last full pass of each stream, until its next message tells which of its
-    # prompts went on (_PEND_* columns; no requests: none pending).
-    _pending_full: FloatArray
 
     def _per_stream(self) -> tuple[tuple[str, tuple[int, ...], Any], ...]:
         """Each per-stream array: its name, the shape of one stream's row, its fill."""
