@@ -551,7 +551,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         meta = r.get("meta") or {}
         load = meta.get("loadavg_start"), meta.get("loadavg_end")
         load_txt = f"  load {load[0]} -> {load[1]}" if load[0] is not None else ""
-        print(f"{str(r['recording'])[-60:]}{load_txt}")
+        device_txt = f"  on {meta['device']}" if meta.get("device") else ""  # GPU recordings
+        print(f"{str(r['recording'])[-60:]}{load_txt}{device_txt}")
         for subset in ("all", "floor_passes", "floor_passes_nonlocal"):
             for method, stats in (r.get(subset) or {}).items():
                 print(
