@@ -419,12 +419,9 @@ class LoadEstimator:
         cols[:, _PREFILL_PASSES] = has_prefill
         cols[:, _DECODE_AT_PREFILL] = np.where(has_prefill, n_dec, 0.0)
         for stream, lo, hi in zip(streams, starts, ends, strict=True):
-            passes = is_pass[lo:hi]
+            # Heartbeats too: they tell the output lengths how long the engine idled.
             self._outputs.observe(
-                int(stream),
-                cols[lo:hi, _PREFILL_FINISHED][passes],
-                n_dec[lo:hi][passes],
-                now,
+                int(stream), cols[lo:hi, _PREFILL_FINISHED], n_dec[lo:hi], w[lo:hi], now
             )
         per_stream = np.zeros((streams.shape[0], _N_COLS))
         per_stream[:, :_HIST] = np.add.reduceat(cols, starts, axis=0)
