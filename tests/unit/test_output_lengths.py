@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics
+from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics, heartbeat
 from stepscale_operator.itl_quantile import (
     PassTimes,
     PrefillPassChain,
@@ -143,17 +143,18 @@ def test_output_lengths_are_not_biased_by_a_router_that_answers_departures() -> 
 
 def _idle_engine(
     seconds: float, rate: float, seed: int, pass_s: float = 0.01
-) -> tuple[FloatArray, FloatArray, FloatArray, npt.NDArray[np.int64]]:
+) -> tuple[FloatArray, FloatArray, FloatArray, npt.NDArray[np.int64], FloatArray]:
     """One engine that is often idle: Poisson prompts at ``rate`` a second, one pass
     of ``pass_s`` each to prefill, then one per output token; no pass while there is
     nothing to do, and a heartbeat (wall time 0) for each whole second without one.
     Returns per message the prompts finishing prefill, the decode batch and the wall
-    time, and the output lengths drawn (log-normal, median 100 tokens)."""
+    time, the output lengths drawn (log-normal, median 100 tokens), and per message
+    the time it is published."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, int(rate * seconds * 1.5) + 10))
     arrivals = arrivals[arrivals < seconds]
     lengths = np.clip(rng.lognormal(math.log(100.0), 1.0, arrivals.size), 1, 4000).astype(np.int64)
-    finished, batch, wall = [], [], []
+    finished, batch, wall, sent = [], [], [], []
     left: list[int] = []  # intervals still to generate, per request decoding
     t, i = 0.0, 0
     while i < arrivals.size or left:
@@ -162,6 +163,7 @@ def _idle_engine(
             finished += [0.0] * beats
             batch += [0.0] * beats
             wall += [0.0] * beats
+            sent += [t + k for k in range(1, beats + 1)]
             t = float(arrivals[i])
         decoding = len(left)
         new = 0
@@ -172,11 +174,12 @@ def _idle_engine(
         finished.append(float(new))
         batch.append(float(decoding))
         wall.append(pass_s)
+        sent.append(t + pass_s)
         # The requests decoding got a token each; the new ones got their first.
         left = [r - 1 if k < decoding else r for k, r in enumerate(left)]
         left = [r for r in left if r > 0]
         t += pass_s
-    return np.array(finished), np.array(batch), np.array(wall), lengths
+    return np.array(finished), np.array(batch), np.array(wall), lengths, np.array(sent)
 
 
 def test_output_lengths_of_an_often_idle_engine_count_its_idle_time() -> None:
@@ -187,13 +190,13 @@ def test_output_lengths_of_an_often_idle_engine_count_its_idle_time() -> None:
     streams = [_idle_engine(1500.0, 0.15, seed) for seed in range(6)]
     with_idle = OutputLengthEstimator(half_life_s=1e9)
     passes_only = OutputLengthEstimator(half_life_s=1e9)
-    for slot, (a, d, w, _) in enumerate(streams):
+    for slot, (a, d, w, _, _) in enumerate(streams):
         for k in range(0, a.size, 300):
             part = slice(k, k + 300)
             with_idle.observe(slot, a[part], d[part], w[part], now=k * 0.01)
             ran = w[part] > 0.0
             passes_only.observe(slot, a[part][ran], d[part][ran], w[part][ran], now=k * 0.01)
-    true = _true_shares(np.concatenate([lengths for _, _, _, lengths in streams]))
+    true = _true_shares(np.concatenate([lengths for _, _, _, lengths, _ in streams]))
     # The bins of 32-127 intervals: the outputs of median length and shorter.
     assert sum(true[10:]) > 0.15
     assert sum(with_idle.shares()[10:]) == pytest.approx(sum(true[10:]), rel=0.2)
@@ -263,6 +266,48 @@ def test_the_load_estimate_carries_the_output_lengths_of_its_streams() -> None:
     true = _true_shares(lengths)
     assert len(shares) == len(OUTPUT_INTERVAL_BINS)
     assert sum(shares[:7]) == pytest.approx(sum(true[:7]), abs=0.06)
+
+
+def test_the_load_estimate_hands_its_streams_heartbeats_to_the_output_lengths() -> None:
+    # The same often-idle engines, as messages through the load estimator in the
+    # order they are sent: the idle time reaches the output lengths only if the
+    # heartbeats do.
+    streams = [_idle_engine(1500.0, 0.15, seed) for seed in range(6)]
+    # Prompts of varied length (median 300 tokens, within the 2,048-token budget):
+    # the estimator takes a pass that fills the largest it has seen for a chunk.
+    prompt_tokens = np.random.default_rng(0).lognormal(math.log(300.0), 1.0, 100_000)
+    prompt_tokens = np.clip(prompt_tokens, 16, 2048).astype(np.int64)
+    msgs: list[tuple[float, ForwardPassMetrics]] = []
+    for pod, (a, d, w, _, sent) in enumerate(streams):
+        for i in range(a.size):
+            if w[i] <= 0.0:
+                msgs.append((sent[i], heartbeat(f"pod-{pod}", 0, i)))
+                continue
+            sched = ScheduledRequestMetrics(
+                num_prefill_requests=int(a[i]),
+                sum_prefill_tokens=int(prompt_tokens[i % prompt_tokens.size]) * int(a[i]),
+                num_decode_requests=int(d[i]),
+                sum_decode_kv_tokens=100 * int(d[i]),
+            )
+            msgs.append(
+                (
+                    sent[i],
+                    ForwardPassMetrics(
+                        worker_id=f"pod-{pod}",
+                        counter_id=i,
+                        wall_time=float(w[i]),
+                        scheduled_requests=sched,
+                    ),
+                )
+            )
+    msgs.sort(key=lambda m: m[0])
+    est = LoadEstimator(window_s=30.0)
+    for k in range(0, len(msgs), 1000):
+        batch = msgs[k : k + 1000]
+        est.observe_batch([m for _, m in batch], now=batch[-1][0])
+    shares = est.estimate(msgs[-1][0]).output_interval_shares
+    true = _true_shares(np.concatenate([lengths for _, _, _, lengths, _ in streams]))
+    assert sum(shares[10:]) == pytest.approx(sum(true[10:]), rel=0.2)
 
 
 def test_prefill_pass_chain_has_the_asked_share_and_long_window_variance() -> None:
