@@ -88,6 +88,10 @@ _HISTORY = _LONGEST + 1 + _SMOOTH  # passes of A a stream keeps
 _LO = np.array([lo for lo, _ in _BINS])
 _HI = np.array([hi for _, hi in _BINS])
 _WIDTH = (_HI - _LO + 1).astype(np.float64)
+# Empty passes put in for an idle stretch, at most: past the longest reported lag
+# and the high-pass mean, a pass sees what came before only through the bins that
+# absorb long outputs (a synthetic idle fleet's shares were the same at 2,304).
+_IDLE_PASSES_MAX = OUTPUT_INTERVAL_BINS[-1][1] + 1 + _SMOOTH
 # Departures that the feedback fit reads arrivals from: a balancing router answers
 # within a few passes, a full batch admits on the next.
 _FEEDBACK_LAGS = 16
@@ -161,7 +165,10 @@ class OutputLengthEstimator:
         self._seen: dict[int, int] = {}  # per slot: passes seen
         self._known_from: dict[int, int] = {}  # per slot: first pass whose lags are known
         self._finishes: dict[int, FloatArray] = {}  # per slot: N of its last passes
-        self._pending: dict[int, list[tuple[FloatArray, FloatArray, FloatArray, FloatArray]]] = {}
+        # Per slot: (A, D, wall time, heartbeats before each pass or None: none).
+        self._pending: dict[
+            int, list[tuple[FloatArray, FloatArray, FloatArray, FloatArray | None]]
+        ] = {}
         self._idle_beats: dict[int, int] = {}  # per slot: heartbeats since its last pass
         # Passes' wall time, decayed like the rest: the length of an idle pass.
         self._pass_s = 0.0
@@ -197,19 +204,30 @@ class OutputLengthEstimator:
             return
         beat = wall <= 0.0
         carried = self._idle_beats.get(slot, 0)
-        if beat.all():
-            self._idle_beats[slot] = carried + int(beat.shape[0])
-            return
-        passes = ~beat
-        beats_so_far = np.cumsum(beat)
-        at_pass = beats_so_far[passes]
-        # Heartbeats between each pass and the stream's previous one.
-        idle_beats = np.diff(at_pass, prepend=0).astype(np.float64)
-        idle_beats[0] += carried
-        self._idle_beats[slot] = int(beats_so_far[-1] - at_pass[-1])
+        idle_beats: FloatArray | None = None
+        if beat.any():
+            if beat.all():
+                self._idle_beats[slot] = carried + int(beat.shape[0])
+                return
+            passes = ~beat
+            beats_so_far = np.cumsum(beat)
+            at_pass = beats_so_far[passes]
+            # Heartbeats between each pass and the stream's previous one.
+            idle_beats = np.diff(at_pass, prepend=0).astype(np.float64)
+            idle_beats[0] += carried
+            self._idle_beats[slot] = int(beats_so_far[-1] - at_pass[-1])
+            finished_prefill, decoding, wall = (
+                finished_prefill[passes],
+                decoding[passes],
+                wall[passes],
+            )
+        elif carried:  # the heartbeats came in an earlier call
+            idle_beats = np.zeros(wall.shape[0])
+            idle_beats[0] = carried
+            self._idle_beats[slot] = 0
         self._time_seen = now if self._time_seen is None else max(self._time_seen, now)
         buffered = self._pending.setdefault(slot, [])
-        buffered.append((finished_prefill[passes], decoding[passes], wall[passes], idle_beats))
+        buffered.append((finished_prefill, decoding, wall, idle_beats))
         if sum(a.shape[0] for a, _, _, _ in buffered) >= _RUN:
             self._flush(slot)
 
@@ -218,12 +236,12 @@ class OutputLengthEstimator:
     ) -> tuple[FloatArray, FloatArray]:
         """The passes with empty ones put in for the idle time before each (the
         module docstring): the midpoint of what its heartbeats bound, at the mean
-        pass time, and no more than the longest lag needs."""
+        pass time, and no more than ``_IDLE_PASSES_MAX``."""
         if not idle_beats.any() or self._passes <= 0.0:
             return finished_prefill, decoding
         idle_s = np.where(idle_beats > 0.0, (idle_beats + 0.5) * wire.HEARTBEAT_INTERVAL_S, 0.0)
         mean_pass_s = self._pass_s / self._passes
-        empty = np.minimum(np.rint(idle_s / mean_pass_s), _HISTORY).astype(np.int64)
+        empty = np.minimum(np.rint(idle_s / mean_pass_s), _IDLE_PASSES_MAX).astype(np.int64)
         at = np.arange(empty.shape[0]) + np.cumsum(empty)  # each real pass's new place
         a = np.zeros(int(at[-1]) + 1)
         d = np.zeros_like(a)
@@ -243,7 +261,7 @@ class OutputLengthEstimator:
         finished_prefill, decoding = self._with_idle_passes(
             np.concatenate([a for a, _, _, _ in buffered]),
             np.concatenate([d for _, d, _, _ in buffered]),
-            np.concatenate([b for _, _, _, b in buffered]),
+            np.concatenate([np.zeros(a.shape[0]) if b is None else b for a, _, _, b in buffered]),
         )
         n = finished_prefill.shape[0]
         seen = self._seen.get(slot, 0)
