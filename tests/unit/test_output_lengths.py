@@ -203,6 +203,24 @@ def test_output_lengths_of_an_often_idle_engine_count_its_idle_time() -> None:
     assert sum(passes_only.shares()[10:]) < 0.6 * sum(true[10:])
 
 
+def test_heartbeats_in_one_call_count_for_the_pass_in_the_next() -> None:
+    # Ingest splits a stream's messages at arbitrary points: an idle stretch whose
+    # heartbeats arrive in one call and whose next pass in another is the same idle.
+    a = np.array([0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    d = np.array([2.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    w = np.array([0.01, 0.0, 0.0, 0.0, 0.01, 0.01])  # a pass, 3 heartbeats, 2 passes
+    split = OutputLengthEstimator()
+    split.observe(0, a[:4], d[:4], w[:4], now=0.0)
+    split.observe(0, a[4:], d[4:], w[4:], now=3.0)
+    whole = OutputLengthEstimator()
+    whole.observe(0, a, d, w, now=3.0)
+    for est in (split, whole):
+        passes = est._pending[0]
+        idle = np.concatenate([np.zeros(p[0].size) if p[3] is None else p[3] for p in passes])
+        assert idle.tolist() == [0.0, 3.0, 0.0]  # heartbeats before each pass
+        assert np.concatenate([p[0] for p in passes]).tolist() == [0.0, 1.0, 0.0]
+
+
 def test_a_new_stream_asked_after_each_single_pass_is_learned_as_in_one_batch() -> None:
     # The simulator's policies ask for shares every tick, when a new stream may have
     # sent one pass: its first flush then completes no pass (the bench once crashed).
