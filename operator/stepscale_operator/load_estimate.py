@@ -6,11 +6,12 @@ Rates are per wall-clock second: the fresh streams' sums over the window, divide
 by the time the fleet was observed within it (``min(window_s, now - first_seen)``
 of its oldest stream), so a pod that joins adds what it serves without being
 counted at its own short-window rate. Stale or never-seen streams are reported as
-missing (and named), never as zero load; with no fresh stream at all the estimate's values are
-unavailable (null in :meth:`LoadEstimate.to_dict`). Heartbeats count as liveness,
-and as idle time for the output lengths, only. Implausible passes (:func:`~stepscale_operator.load_types.implausible_passes`,
-or far beyond their stream's token budget) count as liveness only too, and are
-counted by reason in :attr:`LoadEstimator.rejected`.
+missing (and named), never as zero load; with no fresh stream at all the estimate's
+values are unavailable (null in :meth:`LoadEstimate.to_dict`). Heartbeats count as
+liveness, and as idle time for the output lengths, only. Implausible passes
+(:func:`~stepscale_operator.load_types.implausible_passes`, or far beyond their
+stream's token budget) count as liveness only too, and are counted by reason in
+:attr:`LoadEstimator.rejected`.
 
 Approximations the wire format forces on us (it carries per-pass aggregates, not
 per-request data), documented here because the planner relies on them:
