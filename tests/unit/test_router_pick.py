@@ -18,14 +18,15 @@ from stepscale_operator.router_pick import (
 from tests.unit.test_planner import LinearStepTime, load_of
 
 # The long-context shape measured on 6 replicas: 0.65 decodes each over time, a
-# prompt in progress 90% of the time, prefill passes carrying 0.14 decodes.
-MEASURED_AT, FLEET_BATCH, FLEET_BUSY, DECODES, QUEUED = 6, 6 * 0.65, 6 * 0.9, 0.14, 0.3
+# prompt in progress 90% of the time, prefill passes carrying 0.86 fewer decodes
+# than the mean pass.
+MEASURED_AT, FLEET_BATCH, FLEET_BUSY, DEFICIT, QUEUED = 6, 6 * 0.65, 6 * 0.9, 0.86, 0.3
 
 
 def carried(replicas: int, balanced: bool = True) -> float:
     """Decode requests a prefill pass carries at ``replicas``, from the measurement."""
     batch, busy = FLEET_BATCH / replicas, min(FLEET_BUSY / replicas, 1.0)
-    exposure = prefill_exposure_at(DECODES, MEASURED_AT, replicas, batch, busy, QUEUED, balanced)
+    exposure = prefill_exposure_at(DEFICIT, MEASURED_AT, replicas, batch, busy, QUEUED, balanced)
     return exposure * batch
 
 
@@ -33,23 +34,23 @@ def test_at_the_measured_count_the_measured_exposure_is_kept() -> None:
     batch = FLEET_BATCH / MEASURED_AT
     for balanced in (True, False):
         assert prefill_exposure_at(
-            DECODES, MEASURED_AT, MEASURED_AT, batch, 0.9, QUEUED, balanced
-        ) == pytest.approx(prefill_exposure(DECODES, batch))
+            DEFICIT, MEASURED_AT, MEASURED_AT, batch, 0.9, QUEUED, balanced
+        ) == pytest.approx(prefill_exposure(DEFICIT, batch))
     # The count unknown: taken as measured at the count asked about.
-    assert prefill_exposure_at(DECODES, 0, 9, 0.4, 0.6, QUEUED, True) == pytest.approx(
-        prefill_exposure(DECODES, 0.4)
+    assert prefill_exposure_at(DEFICIT, 0, 9, 0.4, 0.6, QUEUED, True) == pytest.approx(
+        prefill_exposure(DEFICIT, 0.4)
     )
-    # Not measured: every decode is exposed, at every count.
-    assert prefill_exposure_at(None, MEASURED_AT, 12, 0.3, 0.5, QUEUED, True) == 1.0
+    # No deficit measured: every decode is exposed, at every count.
+    assert prefill_exposure_at(0.0, MEASURED_AT, 12, 0.3, 0.5, QUEUED, True) == 1.0
 
 
 def test_a_balancing_router_spares_decodes_faster_than_the_fleet_grows() -> None:
     # Over batches below one a prompt delays decodes only when no replica is free:
-    # more replicas, fewer such moments. Held at their measured value, the decodes
-    # per prefill pass (0.14) were the same at every count, so the predicted ITL
-    # hardly moved with the fleet.
+    # more replicas, fewer such moments. Held at its measured value, the deficit
+    # gave every count the same decodes per prefill pass (max(b, 1) - deficit =
+    # 0.14), so the predicted ITL hardly moved with the fleet.
     at = {n: carried(n) for n in (4, 6, 8, 12, 16)}
-    assert at[6] == pytest.approx(DECODES)
+    assert at[6] == pytest.approx(1.0 - DEFICIT)
     assert at[4] > at[6] > at[8] > at[12] > at[16] >= 0.0
     # Steeper than an even split of the same decodes (a 1/n share of them).
     assert at[12] / at[6] < 0.5 * 6 / 12
@@ -62,7 +63,7 @@ def test_a_random_router_keeps_the_measured_exposure_at_every_count() -> None:
     for n in (4, 8, 12):
         batch = FLEET_BATCH / n
         assert carried(n, balanced=False) / batch == pytest.approx(
-            prefill_exposure(DECODES, FLEET_BATCH / MEASURED_AT)
+            prefill_exposure(DEFICIT, FLEET_BATCH / MEASURED_AT)
         )
 
 
@@ -92,7 +93,7 @@ def test_the_prediction_falls_with_the_fleet_where_a_balancing_router_spares_dec
     base = replace(
         load_of(4.0, prompt=8000.0, output=100.0),
         output_interval_shares=shares,
-        prefill_pass_decodes=0.3,
+        prefill_pass_decode_deficit=0.7,
     )
     engine = EngineLimits(max_num_batched_tokens=2048)
 
@@ -105,7 +106,7 @@ def test_the_prediction_falls_with_the_fleet_where_a_balancing_router_spares_dec
     assert base.streams_total - base.streams_missing == 4
     measured = [beside(base, n) for n in (2, 4, 8, 16)]
     assert measured[0] > measured[1] > measured[2] > measured[3]
-    # Measured with the decodes at a prefill pass held at every count, the same decode requests met
+    # Measured with the deficit held at every count, the same decode requests met
     # the same prompts at every count (batches below one).
     held = [beside(replace(base, streams_total=n), n) for n in (8, 16)]
     assert held[1] == pytest.approx(held[0], rel=0.05)
