@@ -148,13 +148,11 @@ class PerReplicaLoad:
     replica_arrival_dispersion: float = 0.0
     # Output lengths: (first, last intervals, share) per bin (empty: not measured).
     output_intervals: tuple[tuple[int, int, float], ...] = ()
-    # Decode requests a prefill pass carries, on average (None: not measured).
-    prefill_pass_decodes: float | None = None
-    # Replicas serving when the estimate was measured (0: unknown); those decodes and
+    # Decode requests a prefill pass carries fewer than the mean pass (0: none known).
+    prefill_pass_decode_deficit: float = 0.0
+    # Replicas serving when the estimate was measured (0: unknown); the deficit and
     # the replica dispersion are carried from there to other counts.
     measured_replicas: int = 0
-    # Prompts waiting per replica there, on average over the window (a backlog).
-    measured_queued_prompts: float = 0.0
 
     @classmethod
     def from_estimate(cls, load: LoadEstimate, replicas: int) -> PerReplicaLoad:
@@ -179,12 +177,8 @@ class PerReplicaLoad:
                 load.streams_total - load.streams_missing,
                 n,
             ),
-            prefill_pass_decodes=(
-                None if load.prefill_pass_decodes is None else max(load.prefill_pass_decodes, 0.0)
-            ),
+            prefill_pass_decode_deficit=max(load.prefill_pass_decode_deficit, 0.0),
             measured_replicas=max(load.streams_total - load.streams_missing, 0),
-            measured_queued_prompts=max(load.queued_prefill_requests_mean, 0.0)
-            / max(load.streams_total - load.streams_missing, 1),
             output_intervals=tuple(
                 (first, last, share)
                 for (first, last), share in zip(
@@ -622,34 +616,31 @@ def _itl_tail(
         sd = max(f_p - f_d, 0.0) * math.sqrt(variance_per_pass / tail_tokens)
         # Every decode sees the prompts: no router's exposure is measured.
         return normal_itl_quantile(step, sd, own_context, q_tail), 1.0
-    # Requests see the prompts that arrive while they decode, less those a
+    # Long outputs see the prompts that arrive while they decode, less those a
     # balancing router sends to replicas with fewer requests (the measured
-    # decodes at a prefill pass): the mean count scaled by the exposure, for long
-    # outputs' compound sum and short outputs' chain alike. Some requests still see
+    # deficit): the mean count scaled by the exposure. Some requests still see
     # a long prompt and others none, so the count's variance is kept (a gamma mix
     # of Poisson rates; in the bench it differs little from scaling both: bursty
     # code's ITL error 35.9% -> 28.6%, silence-burst's bias +2.8% -> +7.3%).
     # A thinned count (dispersion 1 + e (D - 1)) was tried again with the own
     # context below: long context's p99 ITL bias -37.6% -> -22.5%, but bursty
     # code's fleet shrank 6% and its attainment fell 99.31% -> 98.89%.
-    # The chain was once left unscaled: scaled by an exposure then measured 0.6x
-    # too low, bursty code's p99 came out at 0.66 of the simulated; unscaled, at
-    # 1.09-1.70x on 8-14 replicas (with the measured exposure: 0.98-1.08x).
+    # Short outputs keep the chain: scaled there too, bursty code's p99 came out
+    # at 0.66 of the simulated.
     # Measured at one count, carried to this one (see router_pick).
     exposure = prefill_exposure_at(
-        load.prefill_pass_decodes,
+        load.prefill_pass_decode_deficit,
         load.measured_replicas,
         replicas,
         steady.batch,
         queue.busy,
         queue.queued_per_busy,
         policy.balanced_routing,
-        load.measured_queued_prompts,
     )
     # Measured output lengths: the quantile over them (short outputs set it).
     itl_q = itl_quantile(
         PassTimes(f_d, f_p, step),
-        PrefillPassChain.of(prefill_step_share * exposure, variance_per_pass),
+        PrefillPassChain.of(prefill_step_share, variance_per_pass),
         load.output_intervals,
         variance_per_pass,
         q_tail,

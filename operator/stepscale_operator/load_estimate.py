@@ -149,7 +149,7 @@ _NEEDS_FRESH = frozenset(
         "prompt_bin_tokens",
         "arrival_dispersion",
         "replica_arrival_dispersion",
-        "prefill_pass_decodes",
+        "prefill_pass_decode_deficit",
         "realized_itl_mean_ms",
         "realized_itl_tail_ms",
         "realized_ttft_mean_ms",
@@ -157,7 +157,7 @@ _NEEDS_FRESH = frozenset(
     }
 )
 # Fewer prefill passes than this in the window say nothing of who they delay.
-_MIN_PREFILL_PASSES = 20
+_MIN_PREFILL_PASSES_FOR_DEFICIT = 20
 # Fewer arrivals than this in the window say nothing of their dispersion.
 _MIN_ARRIVALS_FOR_DISPERSION = 20.0
 _TREND_FIELDS = frozenset(
@@ -547,13 +547,13 @@ class LoadEstimator:
         if mean_prompt is None:
             mean_prompt = _ratio(totals[_PROMPT_TOKENS_ALL], totals[_PROMPT_REQS_ALL])
         decode_ctx = _ratio(totals[_DECODE_KV], totals[_DECODE_TOKENS])
-        prefill_decodes = _prefill_pass_decodes(totals)
+        deficit = _prefill_pass_decode_deficit(totals)
         hit_fraction = _ratio(cached, cached + prefill)
         for name, value in (
             ("mean_prompt_tokens", mean_prompt),
             ("mean_decode_context_tokens", decode_ctx),
             ("prefix_cache_hit_fraction", hit_fraction),
-            ("prefill_pass_decodes", prefill_decodes),
+            ("prefill_pass_decode_deficit", deficit),
         ):
             if value is None:
                 unavailable.add(name)
@@ -612,7 +612,7 @@ class LoadEstimator:
             prompt_bin_tokens=shapes.prompt_bin_tokens,
             arrival_dispersion=shapes.arrival_dispersion,
             replica_arrival_dispersion=shapes.replica_arrival_dispersion,
-            prefill_pass_decodes=prefill_decodes,
+            prefill_pass_decode_deficit=deficit or 0.0,
             output_interval_shares=self._outputs.shares(),
             realized_itl_mean_ms=shapes.realized_itl_mean_ms,
             realized_itl_tail_ms=shapes.realized_itl_tail_ms,
@@ -833,11 +833,13 @@ def _cell_latency(seconds: FloatArray, count: FloatArray, quantile: float) -> tu
     return float(seconds[has].sum() / weight.sum()) * 1e3, tail * 1e3
 
 
-def _prefill_pass_decodes(totals: FloatArray) -> float | None:
-    """Mean decode batch of prefill-bearing passes (None: too few of them to tell)."""
-    if totals[_PREFILL_PASSES] < _MIN_PREFILL_PASSES:
+def _prefill_pass_decode_deficit(totals: FloatArray) -> float | None:
+    """Mean decode batch of all passes less that of prefill-bearing ones (None: too
+    few prefill passes to tell)."""
+    if totals[_PREFILL_PASSES] < _MIN_PREFILL_PASSES_FOR_DEFICIT:
         return None
-    return float(totals[_DECODE_AT_PREFILL] / totals[_PREFILL_PASSES])
+    at_prefill = totals[_DECODE_AT_PREFILL] / totals[_PREFILL_PASSES]
+    return float(totals[_DECODE_TOKENS] / totals[_PASSES] - at_prefill)
 
 
 def _ratio(num: float, den: float) -> float | None:

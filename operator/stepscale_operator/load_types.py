@@ -145,10 +145,10 @@ class LoadEstimate:
     # The same for one replica's arrivals, pooled over streams (0: unknown): what the
     # router leaves of the fleet's clumping at the current count of streams.
     replica_arrival_dispersion: float = 0.0
-    # Decode requests on a pass that carries prefill, on average (None: too few such
-    # passes to tell): who a prefill delays. A router that sends prompts to the least
-    # busy replica spares the rest of a replica's decode requests the prefill's delay.
-    prefill_pass_decodes: float | None = None
+    # Decode requests fewer on a pass that carries prefill than on the mean pass (0:
+    # none, or unknown): a router that sends prompts to the least busy replica spares
+    # that many of a replica's decode requests the prefill's delay.
+    prefill_pass_decode_deficit: float = 0.0
     # Share of finished requests per :data:`OUTPUT_INTERVAL_BINS` bin of output length
     # (empty: not measured yet), from when requests leave the decode batch against
     # when they finished prefill (see :mod:`~stepscale_operator.output_lengths`).

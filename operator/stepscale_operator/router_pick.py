@@ -4,14 +4,15 @@ A replica's prefill passes delay the decode requests that replica holds. Behind 
 router that balances on outstanding requests, a prompt goes to a replica holding
 few, so its prefill delays fewer decodes than the mean batch: the *exposure*. The
 load estimate measures it at the fleet size it was measured on (the decode
-requests a prefill-bearing pass carries: ``prefill_pass_decodes``); the planner
-needs it at every count it considers, and there it is not constant.
+requests prefill-bearing passes carry fewer than the mean pass:
+``prefill_pass_decode_deficit``); the planner needs it at every count it
+considers, and there it is not constant.
 
 Over batches below one (long prompts, a roomy fleet) the exposure falls steeply
 with the fleet: a prompt delays decodes only when no replica is free. On the
 long-context scenario, 6 -> 8 -> 12 -> 16 fixed replicas put 45.9, 17.1, 2.4 and
 0.2 prompt tokens beside a decode token, and the p99 ITL at 38, 24, 12 and 12 ms.
-Holding the measured exposure at every count made the prediction almost flat in
+Holding the measured deficit at every count made the prediction almost flat in
 the count: from 6 replicas, 12 were predicted at 1.65x their simulated p99 ITL,
 and from 12, 6 were predicted at 0.65x, so the planner scaled down too far, missed,
 then scaled up far beyond the need (18 where 12 served).
@@ -38,9 +39,6 @@ import numpy as np
 
 # Deepest prompt queue counted behind one replica's prefill (the tail is geometric).
 _MAX_QUEUE_DEPTH = 64
-# Prompts waiting per replica, on average over the measured window, from which the
-# fleet was behind: its prefill passes ran beside a backlog's decodes.
-_BACKLOG_PROMPTS_PER_REPLICA = 1.0
 
 
 @dataclass(frozen=True)
@@ -135,62 +133,58 @@ def balanced_pick_decodes(
     return float((np.exp(log_pmf) * (held // n)).sum()) * batch / per
 
 
-def prefill_exposure(decodes: float | None, batch: float) -> float:
-    """The decode requests a prefill pass delays (``decodes``, measured: the mean
-    over passes that carry prefill), relative to the mean decode batch over time
-    (``batch``): 1 when prompts land anywhere; less when the router sends them to
-    replicas with fewer decode requests (None: unmeasured, taken as 1).
+def prefill_exposure(deficit: float, batch: float) -> float:
+    """The decode requests a prefill pass delays, relative to the mean decode batch
+    over time (``batch``): 1 when prompts land anywhere; less when the router sends
+    them to replicas with ``deficit`` fewer decode requests than the mean pass
+    carries (0: none measured, taken as 1).
 
-    The latency model counts the prompts that reach a request over time (per unit
-    time, scaled to a pass by the mean step), so the decodes at a prefill pass are
-    set against the batch over time, idle time included: over batches below one,
-    a prefill pass can carry more decodes than the replica holds on average. Taken
-    against the batch of a pass instead, long-context traffic on 8 replicas (0.6
-    decodes each) put the share of decode tokens in prefill passes at a third of
-    what its passes measured, and the p99 ITL 23% low. This once took the decodes
-    of the mean pass as ``max(batch, 1)`` and measured only the deficit below it;
-    the mean pass carries more where replicas idle between requests (passes run
-    only while there are some), and bursty code's prompt tokens beside a decode
-    came out at 0.58-0.81x the simulated on 8-14 replicas (now 1.01-1.02x).
+    A pass runs only while the replica holds a request, so the mean *pass* carries
+    at least one decode request (the deficit is measured over passes): a prefill
+    pass carries ``max(batch, 1) - deficit``. The latency model counts the prompts
+    that reach a request over time (per unit time, scaled to a pass by the mean
+    step), so that is set against the batch over time, idle time included: over
+    batches below one, a prefill pass can carry more decodes than the replica holds
+    on average. Taken against the batch of a pass instead, long-context traffic on 8
+    replicas (0.6 decodes each) put the share of decode tokens in prefill passes at
+    a third of what its passes measured, and the p99 ITL 23% low.
     """
-    if decodes is None or batch <= 0.0:  # unmeasured, or no decodes to delay
+    if deficit <= 0.0 or batch <= 0.0:  # unmeasured, or no decodes to delay
         return 1.0
-    return max(decodes, 0.0) / batch
+    return max(max(batch, 1.0) - deficit, 0.0) / batch
 
 
 def prefill_exposure_at(
-    decodes: float | None,
+    deficit: float,
     measured_replicas: int,
     replicas: int,
     batch: float,
     busy: float,
     queued_per_busy: float,
     balanced: bool,
-    measured_queued: float = 0.0,
 ) -> float:
-    """The exposure (see :func:`prefill_exposure`) at ``replicas``, of the decodes
-    at a prefill pass measured at ``measured_replicas`` (0: at ``replicas``).
+    """The exposure (see :func:`prefill_exposure`) at ``replicas``, of a deficit
+    measured at ``measured_replicas`` (0: at ``replicas``).
 
     ``batch``, ``busy`` and ``queued_per_busy`` are one replica's at ``replicas``
     (decodes over time, the chance a prompt is in progress, the prompts queued
     behind one); at the measured count the same fleet-wide load is split over
     fewer or more. There the measured decodes at a prefill pass place the router
     between the independent and the balanced model (a weight in their logarithms);
-    beyond either, the excess over the batch is kept, unless the measured fleet was
-    behind (``measured_queued``: prompts waiting per replica there, on average). At
-    the measured count this is :func:`prefill_exposure`. A random router's pick is
-    any replica, whatever the count, so there the measured exposure is kept.
+    beyond either, the difference is kept. At the measured count this is
+    :func:`prefill_exposure`. A random router's pick is any replica, whatever the
+    count, so there the measured exposure is kept.
     """
-    if decodes is None or batch <= 0.0:
+    if deficit <= 0.0 or batch <= 0.0:
         return 1.0
     n = max(replicas, 1)
     n0 = measured_replicas if measured_replicas > 0 else n
     batch0 = batch * n / n0
     busy0 = min(max(busy, 0.0) * n / n0, 1.0)
-    measured = prefill_exposure(decodes, batch0)
+    measured = prefill_exposure(deficit, batch0)
     if n0 == n or not balanced:
         return measured
-    at_pass0 = max(decodes, 0.0)  # decodes a prefill pass carries there
+    at_pass0 = measured * batch0  # decodes a prefill pass carries there
 
     def bounds(k: int, b: float, u: float) -> tuple[float, float]:
         independent = max(least_loaded_queue(k, b, u, queued_per_busy).decodes, 1e-12)
@@ -205,18 +199,4 @@ def prefill_exposure_at(
         weight = min(max(placed, 0.0), 1.0)
     between0 = low0 ** (1.0 - weight) * high0**weight
     between = low ** (1.0 - weight) * high**weight
-    # Beyond either model (bursts: prompts arrive while the whole fleet is busy),
-    # the excess is carried as a share of the batch, not as decode requests: a burst
-    # of R requests over n replicas puts R / n beside each prefill, so what a burst
-    # adds falls with the fleet as the batch does. Carried as decodes, it made the
-    # exposure grow with the fleet (bursty code from 14 replicas: 5.5 there, 11.5
-    # at 32, 25.7 at 64), the predicted ITL nearly flat, and 25 replicas needed
-    # where 15 served. A fleet that was behind is another matter: its replicas all
-    # held a queue, and its prefill passes the decodes of a backlog that a fleet
-    # keeping up does not hold (a burst's onset on 9 replicas: 184 decodes beside a
-    # prefill, 8x the batch over the window, carried to 17). Prompts waited there
-    # (1 per replica or more; bursty code's windows beyond both models held at most
-    # 0.03, a burst's onset 4-475): only the router models are carried.
-    if measured_queued >= _BACKLOG_PROMPTS_PER_REPLICA:
-        return between / batch
-    return max(between / batch + (at_pass0 - between0) / batch0, 0.0)
+    return max(between + at_pass0 - between0, 0.0) / batch

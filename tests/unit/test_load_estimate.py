@@ -648,14 +648,12 @@ def test_realized_itl_is_pass_time_weighted_by_decode_requests() -> None:
     assert load.realized_ttft_mean_ms == pytest.approx(100.0, rel=1e-6)
 
 
-def test_the_decodes_a_prefill_pass_carries_are_measured_over_prefill_passes() -> None:
+def test_prefill_passes_that_carry_fewer_decodes_than_the_mean_give_the_deficit() -> None:
     load = _one_prefill_pass_a_second(25)
-    # The mean pass carries (9 x 10 + 2) / 10 = 9.2 decode requests, a prefill pass 2:
-    # who a prefill delays is the 2, whatever the other passes carry.
-    assert load.prefill_pass_decodes == pytest.approx(2.0, rel=1e-6)
-    assert "prefill_pass_decodes" not in load.unavailable
+    # The mean pass carries (9 x 10 + 2) / 10 = 9.2 decode requests, a prefill pass 2.
+    assert load.prefill_pass_decode_deficit == pytest.approx(7.2, rel=1e-6)
+    assert "prefill_pass_decode_deficit" not in load.unavailable
     # Ten prefill passes say too little: unknown, not zero.
     few = _one_prefill_pass_a_second(10)
-    assert few.prefill_pass_decodes is None
-    assert "prefill_pass_decodes" in few.unavailable
-    assert few.to_dict()["prefill_pass_decodes"] is None
+    assert "prefill_pass_decode_deficit" in few.unavailable
+    assert few.to_dict()["prefill_pass_decode_deficit"] is None

@@ -1459,10 +1459,10 @@ def test_prompts_piled_at_a_cap_set_the_ttft_quantile_at_their_own_length() -> N
 def test_the_prediction_reports_the_prompt_tokens_a_decode_sees() -> None:
     # The prompt tokens computed in a decode token's pass: a mean step's, where every
     # decode is exposed, scaled by the exposure where a balancing router spares some
-    # (the decodes a prefill pass carries, measured over prefill passes).
+    # (the deficit measured over passes).
     shares = (1.0 / len(OUTPUT_INTERVAL_BINS),) * len(OUTPUT_INTERVAL_BINS)
     load = replace(load_of(20.0), output_interval_shares=shares)
-    spared = replace(load, prefill_pass_decodes=2.0)
+    spared = replace(load, prefill_pass_decode_deficit=2.0)
 
     def predicted(estimate: LoadEstimate) -> LatencyPrediction:
         per = PerReplicaLoad.from_estimate(estimate, 4)
@@ -1478,54 +1478,19 @@ def test_the_prediction_reports_the_prompt_tokens_a_decode_sees() -> None:
     )
 
 
-def test_short_outputs_see_only_the_prompts_the_router_exposes_them_to() -> None:
-    # Outputs of 1-3 intervals: a request's ITL is its few passes, and one prefill
-    # pass among them sets it. Behind a balancing router that sends prompts to
-    # replicas with fewer decodes, fewer of its passes carry prefill: the short
-    # outputs' chain takes the same exposure as the long outputs' compound count
-    # (left at every decode exposed, bursty code's p99 ITL came out 1.09-1.70x the
-    # simulated on 8-14 replicas).
-    shares = (0.0, 0.5, 0.5) + (0.0,) * (len(OUTPUT_INTERVAL_BINS) - 3)
-    assert OUTPUT_INTERVAL_BINS[1:3] == ((1, 1), (2, 2))
-    load = replace(load_of(20.0, prompt=2000.0, output=2.5), output_interval_shares=shares)
-
-    def p99_itl(estimate: LoadEstimate) -> float:
-        per = PerReplicaLoad.from_estimate(estimate, 4)
-        return predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), 4).itl_ms
-
-    unmeasured = p99_itl(load)
-    batch = predict_latency(
-        LinearStepTime(), PerReplicaLoad.from_estimate(load, 4), ENGINE, PlannerPolicy(), 4
-    ).decode_batch
-    # Prefill passes that carry the mean batch: every decode exposed, as unmeasured.
-    assert p99_itl(replace(load, prefill_pass_decodes=batch)) == pytest.approx(unmeasured)
-    # More than 1% of requests meet a prefill pass: the p99 is a prefill pass's time.
-    decode_pass_s = LinearStepTime().predict(ScheduledRequestMetrics(num_decode_requests=1))
-    assert unmeasured > 3.0 * 1e3 * decode_pass_s
-    # A tenth of the batch: fewer than 1% do, and the p99 is a decode pass's.
-    spared = p99_itl(replace(load, prefill_pass_decodes=0.1 * batch))
-    assert spared < 0.5 * unmeasured
-
-
 def test_prefill_exposure_gives_the_decode_tokens_that_prefill_passes_carry() -> None:
     # A replica's log over 2 s: idle for 1 s, then 100 passes of 10 ms; 30 carry a
     # prefill chunk and 10 decodes between them, 70 are decode-only with 90. The
     # latency model reckons prefill passes per unit time (30 x 10 ms / 2 s = 0.15
     # of a step) and the batch over time (100 decode tokens x 10 ms / 2 s = 0.5);
     # the exposure must turn that into the share of decode tokens the prefill
-    # passes carried (10 of 100), from the decodes measured on prefill passes.
+    # passes carried (10 of 100), from the deficit measured over passes.
+    deficit = 100 / 100 - 10 / 30
     prefill_share_of_time, batch_over_time = 0.15, 0.5
-    exposure = prefill_exposure(10 / 30, batch_over_time)
+    exposure = prefill_exposure(deficit, batch_over_time)
     assert prefill_share_of_time * exposure == pytest.approx(10 / 100)
-    # The same, with 190 decodes among the 70 decode-only passes: the mean pass
-    # carries 2, the batch over time is 1, and the prefill passes still carry 10
-    # of the 200 decode tokens. Taking the mean pass for max(batch over time, 1)
-    # and subtracting a deficit measured against its real mean (2 - 10 / 30) put
-    # the exposure at 0 here.
-    exposure = prefill_exposure(10 / 30, 1.0)
-    assert prefill_share_of_time * exposure == pytest.approx(10 / 200)
     # Over large batches it is the plain ratio; unmeasured, every decode is exposed.
-    assert prefill_exposure(27.0, 30.0) == pytest.approx(0.9)
-    assert prefill_exposure(None, 0.5) == 1.0
+    assert prefill_exposure(3.0, 30.0) == pytest.approx(0.9)
+    assert prefill_exposure(0.0, 0.5) == 1.0
     assert prefill_exposure(0.5, 0.0) == 1.0  # no decodes: the count stays finite
-    assert prefill_exposure(0.0, 0.5) == 0.0  # prompts only ever on idle replicas
+    assert prefill_exposure(2.0, 0.5) == 0.0

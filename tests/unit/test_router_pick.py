@@ -18,14 +18,15 @@ from stepscale_operator.router_pick import (
 from tests.unit.test_planner import LinearStepTime, load_of
 
 # The long-context shape measured on 6 replicas: 0.65 decodes each over time, a
-# prompt in progress 90% of the time, prefill passes carrying 0.14 decodes.
-MEASURED_AT, FLEET_BATCH, FLEET_BUSY, DECODES, QUEUED = 6, 6 * 0.65, 6 * 0.9, 0.14, 0.3
+# prompt in progress 90% of the time, prefill passes carrying 0.86 fewer decodes
+# than the mean pass.
+MEASURED_AT, FLEET_BATCH, FLEET_BUSY, DEFICIT, QUEUED = 6, 6 * 0.65, 6 * 0.9, 0.86, 0.3
 
 
 def carried(replicas: int, balanced: bool = True) -> float:
     """Decode requests a prefill pass carries at ``replicas``, from the measurement."""
     batch, busy = FLEET_BATCH / replicas, min(FLEET_BUSY / replicas, 1.0)
-    exposure = prefill_exposure_at(DECODES, MEASURED_AT, replicas, batch, busy, QUEUED, balanced)
+    exposure = prefill_exposure_at(DEFICIT, MEASURED_AT, replicas, batch, busy, QUEUED, balanced)
     return exposure * batch
 
 
@@ -33,75 +34,27 @@ def test_at_the_measured_count_the_measured_exposure_is_kept() -> None:
     batch = FLEET_BATCH / MEASURED_AT
     for balanced in (True, False):
         assert prefill_exposure_at(
-            DECODES, MEASURED_AT, MEASURED_AT, batch, 0.9, QUEUED, balanced
-        ) == pytest.approx(prefill_exposure(DECODES, batch))
+            DEFICIT, MEASURED_AT, MEASURED_AT, batch, 0.9, QUEUED, balanced
+        ) == pytest.approx(prefill_exposure(DEFICIT, batch))
     # The count unknown: taken as measured at the count asked about.
-    assert prefill_exposure_at(DECODES, 0, 9, 0.4, 0.6, QUEUED, True) == pytest.approx(
-        prefill_exposure(DECODES, 0.4)
+    assert prefill_exposure_at(DEFICIT, 0, 9, 0.4, 0.6, QUEUED, True) == pytest.approx(
+        prefill_exposure(DEFICIT, 0.4)
     )
-    # Not measured: every decode is exposed, at every count.
-    assert prefill_exposure_at(None, MEASURED_AT, 12, 0.3, 0.5, QUEUED, True) == 1.0
+    # No deficit measured: every decode is exposed, at every count.
+    assert prefill_exposure_at(0.0, MEASURED_AT, 12, 0.3, 0.5, QUEUED, True) == 1.0
 
 
 def test_a_balancing_router_spares_decodes_faster_than_the_fleet_grows() -> None:
     # Over batches below one a prompt delays decodes only when no replica is free:
-    # more replicas, fewer such moments. Held at their measured value, the decodes
-    # per prefill pass (0.14) were the same at every count, so the predicted ITL
-    # hardly moved with the fleet.
+    # more replicas, fewer such moments. Held at its measured value, the deficit
+    # gave every count the same decodes per prefill pass (max(b, 1) - deficit =
+    # 0.14), so the predicted ITL hardly moved with the fleet.
     at = {n: carried(n) for n in (4, 6, 8, 12, 16)}
-    assert at[6] == pytest.approx(DECODES)
+    assert at[6] == pytest.approx(1.0 - DEFICIT)
     assert at[4] > at[6] > at[8] > at[12] > at[16] >= 0.0
     # Steeper than an even split of the same decodes (a 1/n share of them).
     assert at[12] / at[6] < 0.5 * 6 / 12
     assert at[8] / at[6] < 6 / 8
-
-
-def test_prefill_passes_beyond_both_router_models_do_not_grow_the_exposure_with_the_fleet() -> None:
-    # Bursty code measured on 12 replicas: 0.16 decodes each over time, but its
-    # prompts arrive in bursts that fill every replica, so a prefill pass carries
-    # 1.77 decodes, beyond what either router model puts at the pick. A burst of R
-    # requests over n replicas puts R / n beside a prefill: the excess falls with
-    # the fleet as the batch does. Carried as a constant number of decodes, it made
-    # the exposure grow with the fleet (5.8 on 14 replicas, 25.7 on 64) and the
-    # planner ask for 21 replicas where 15 served.
-    n0, fleet_batch, fleet_busy, decodes, queued = 12, 12 * 0.16, 12 * 0.3, 1.77, 0.1
-
-    def exposure(n: int) -> float:
-        batch, busy = fleet_batch / n, min(fleet_busy / n, 1.0)
-        return prefill_exposure_at(decodes, n0, n, batch, busy, queued, True)
-
-    high0 = balanced_pick_decodes(n0, fleet_batch / n0, fleet_busy / n0, queued)
-    assert decodes > high0  # beyond the balanced model at the measured count
-    counts = (8, 12, 16, 21, 32, 64)
-    at = {n: exposure(n) for n in counts}
-    assert at[12] == pytest.approx(prefill_exposure(decodes, fleet_batch / n0))
-    for fewer, more in zip(counts, counts[1:], strict=False):
-        assert at[more] <= at[fewer] * (1.0 + 1e-9)
-    assert at[64] > 0.0
-    # The decodes beside a prefill fall at least as fast as an even split's.
-    for n in (16, 21, 32, 64):
-        assert at[n] * fleet_batch / n <= decodes * n0 / n + 1e-9
-
-
-def test_a_fleet_that_was_behind_carries_only_the_router_models() -> None:
-    # A burst's onset on 9 replicas: prompts waited (1.5 per replica on average) and
-    # the prefill passes ran beside a backlog, 184 decodes, 8x the batch over the
-    # window. A fleet that keeps up holds no such backlog: carried to 17 replicas as
-    # an excess, it put the burst's need at 17 where 8-10 served.
-    fleet_batch, fleet_busy, queued, decodes = 17 * 12.0, 17 * 0.29, 2.8, 184.0
-
-    def exposure(n: int, measured_queued: float) -> float:
-        batch, busy = fleet_batch / n, min(fleet_busy / n, 1.0)
-        return prefill_exposure_at(decodes, 9, n, batch, busy, queued, True, measured_queued)
-
-    # At the measured count the measurement stands, backlog or not.
-    assert exposure(9, 1.5) == pytest.approx(prefill_exposure(decodes, fleet_batch / 9))
-    assert exposure(9, 1.5) > 7.0
-    for n in (12, 17, 24):
-        batch, busy = fleet_batch / n, min(fleet_busy / n, 1.0)
-        high = balanced_pick_decodes(n, batch, busy, queued) / batch
-        assert exposure(n, 1.5) == pytest.approx(high)  # the balanced model's pick
-        assert exposure(n, 0.0) > 5.0 * exposure(n, 1.5)  # kept up: the excess carried
 
 
 def test_a_random_router_keeps_the_measured_exposure_at_every_count() -> None:
@@ -110,7 +63,7 @@ def test_a_random_router_keeps_the_measured_exposure_at_every_count() -> None:
     for n in (4, 8, 12):
         batch = FLEET_BATCH / n
         assert carried(n, balanced=False) / batch == pytest.approx(
-            prefill_exposure(DECODES, FLEET_BATCH / MEASURED_AT)
+            prefill_exposure(DEFICIT, FLEET_BATCH / MEASURED_AT)
         )
 
 
@@ -140,7 +93,7 @@ def test_the_prediction_falls_with_the_fleet_where_a_balancing_router_spares_dec
     base = replace(
         load_of(4.0, prompt=8000.0, output=100.0),
         output_interval_shares=shares,
-        prefill_pass_decodes=0.3,
+        prefill_pass_decode_deficit=0.7,
     )
     engine = EngineLimits(max_num_batched_tokens=2048)
 
@@ -153,16 +106,8 @@ def test_the_prediction_falls_with_the_fleet_where_a_balancing_router_spares_dec
     assert base.streams_total - base.streams_missing == 4
     measured = [beside(base, n) for n in (2, 4, 8, 16)]
     assert measured[0] > measured[1] > measured[2] > measured[3]
-    # Measured with the decodes at a prefill pass held at every count, the same decode requests met
+    # Measured with the deficit held at every count, the same decode requests met
     # the same prompts at every count (batches below one).
     held = [beside(replace(base, streams_total=n), n) for n in (8, 16)]
     assert held[1] == pytest.approx(held[0], rel=0.05)
     assert measured[3] < 0.5 * held[1]
-
-
-def test_the_backlog_at_the_measured_count_is_prompts_waiting_per_serving_replica() -> None:
-    # 6 prompts waiting on average over 3 serving streams (of 4: one is missing).
-    load = replace(load_of(20.0), streams_missing=1, queued_prefill_requests_mean=6.0)
-    per = PerReplicaLoad.from_estimate(load, 8)
-    assert per.measured_replicas == 3
-    assert per.measured_queued_prompts == pytest.approx(2.0)

@@ -738,11 +738,11 @@ def test_the_oracle_level_is_fitted_to_meet_the_target_on_the_traffic_itself() -
     assert OraclePolicy(traffic, setup, sizing.capacity).needs.tolist() == sizing.needs.tolist()
 
 
-class _ExposureUnmeasured(DeploymentModel):
-    """The operator's model with the decodes at a prefill pass left unknown."""
+class _DeficitUnmeasured(DeploymentModel):
+    """The operator's model with the prefill-pass decode deficit left unknown."""
 
     def estimate(self, now: float | None = None) -> LoadEstimate:
-        return replace(super().estimate(now), prefill_pass_decodes=None)
+        return replace(super().estimate(now), prefill_pass_decode_deficit=0.0)
 
 
 def test_long_outputs_p99_itl_counts_only_the_decodes_a_balancing_router_exposes() -> None:
@@ -759,7 +759,7 @@ def test_long_outputs_p99_itl_counts_only_the_decodes_a_balancing_router_exposes
         bias = {}
         for name, model in (
             ("measured", DeploymentModel("sim")),
-            ("unmeasured", _ExposureUnmeasured("sim")),
+            ("unmeasured", _DeficitUnmeasured("sim")),
         ):
             policy = PlannerDrivenPolicy(
                 setup,
@@ -771,7 +771,7 @@ def test_long_outputs_p99_itl_counts_only_the_decodes_a_balancing_router_exposes
             errors = prediction_errors(policy, result)
             assert errors["windows"] >= 10
             bias[name] = errors["median_bias_itl_p99"]
-        assert model.estimate(600.0).prefill_pass_decodes is None
+        assert model.estimate(600.0).prefill_pass_decode_deficit == 0.0
         # Measured: 4.4% high on 6 replicas, 7.5% low on 8; unmeasured, 20-23% high.
         assert abs(bias["measured"]) <= 0.15, (replicas, bias)
         assert bias["unmeasured"] > abs(bias["measured"]) + 0.05, (replicas, bias)

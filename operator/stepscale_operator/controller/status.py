@@ -185,7 +185,7 @@ _LOAD_FIELDS = {
     "missing_streams": "missingStreams",
     "arrival_dispersion": "arrivalDispersion",
     "replica_arrival_dispersion": "replicaArrivalDispersion",
-    "prefill_pass_decodes": "prefillPassDecodes",
+    "prefill_pass_decode_deficit": "prefillPassDecodeDeficit",
 }
 
 
