@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from stepscale_operator.burst_recurrence import BurstRecurrence, RecurringBurst
-from stepscale_operator.demand_rise import demand_ratio, demand_rise_z
+from stepscale_operator.demand_rise import demand_rise_z
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner_stages import BurstFloor
 
@@ -162,12 +162,6 @@ class BurstMemory:
             # rise beyond the windows' sampling noise is a few long prompts in one
             # window; keeping its peak would hold capacity no burst asked for.
             and demand_rise_z(at_low.load, load) >= policy.burst_min_z
-            # ... and a burst is the traffic's: its demand rose by the burst ratio
-            # too. Near the SLO the need rises faster than the demand, the more so
-            # the truer the model: with the exposure measured right, the trace's
-            # arrivals rising from 120 to 180 req/s took the need from 10 to 17,
-            # and 17 was kept for 15 minutes where 9-13 served.
-            and demand_ratio(at_low.load, load) >= policy.burst_ratio
         ):
             new_burst = self._last_burst is None or now - self._last_burst > horizon
             # A burst within the memory of the last one extends it: a smaller burst
