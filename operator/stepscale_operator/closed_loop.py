@@ -11,7 +11,17 @@ count, and keeps two things the planner uses:
   under-predicts the realized mean, smoothed over decisions at a settled fleet,
   and raised to the realized tail's ratio when a miss persists. Predictions are
   multiplied by it before they are judged against the SLO. It only corrects
-  upwards: a model that over-predicts costs GPU-hours, not the SLO.
+  upwards: a model that over-predicts costs GPU-hours, not the SLO. It learns
+  only from a window of one load: where the demand stepped since the last
+  decision by a burst's ratio, beyond its sampling noise (see
+  :mod:`~stepscale_operator.demand_rise`), the window holds two loads, and its
+  realized latency, weighted to the busy seconds, is the step's, not the
+  model's error at the window's mean load (a burst's first seconds on one
+  replica taught x1.68, which then sized the burst at twice its need for two
+  minutes). Learning resumes one window later. Both bounds are needed: a
+  busy trace's windows tell a 2% drift from noise, and its learning on such
+  drifts is the model's real lag on a ramp (pausing there cost the trace
+  0.06 points); heavy-tailed windows swing by half at a steady rate.
 * a sustained miss: the realized tail above the SLO for ``persistence_s`` of
   decisions at a settled fleet, even when the (corrected) model says all is
   well, asks for one more replica than serve now (again after each
@@ -26,9 +36,11 @@ Pure and deterministic: measurements in, a :class:`Feedback` out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from stepscale_operator.demand_rise import demand_ratio, demand_rise_z
 from stepscale_operator.latency_model import LatencyPrediction, SloTargets
 from stepscale_operator.load_types import LoadEstimate
 
@@ -102,12 +114,20 @@ class LatencyFeedback:
         smoothing: float = 0.2,
         max_correction: float = 3.0,
         tail_share: float = 0.01,
+        steady_z: float = math.inf,
+        step_ratio: float = math.inf,
     ) -> None:
         self.settle_s = settle_s  # the fleet unchanged this long: the window shows it
         self.persistence_s = persistence_s
         self.smoothing = smoothing
         self.max_correction = max_correction
         self.tail_share = tail_share  # 1 - the planning quantile
+        # A demand step by this factor, beyond this many standard errors of noise,
+        # pauses learning (inf: never).
+        self.steady_z = steady_z
+        self.step_ratio = step_ratio
+        self._last_load: LoadEstimate | None = None
+        self._load_steady_since = -math.inf
         self.itl_correction = 1.0
         self.ttft_correction = 1.0
         self._fleet: tuple[int, int] | None = None
@@ -136,7 +156,11 @@ class LatencyFeedback:
         itl_mean = _measured(load.realized_itl_mean_ms)
         ttft_mean = _measured(load.realized_ttft_mean_ms)
         settled = starting == 0 and now - self._fleet_since >= self.settle_s
-        if settled and predicted.feasible:
+        if self._demand_moved(load):
+            self._load_steady_since = now
+        self._last_load = load
+        one_load = now - self._load_steady_since >= load.window_s
+        if settled and one_load and predicted.feasible:
             self.itl_correction = self._learn(self.itl_correction, itl_mean, predicted.itl_mean_ms)
             self.ttft_correction = self._learn(
                 self.ttft_correction, ttft_mean, predicted.ttft_mean_ms
@@ -196,6 +220,18 @@ class LatencyFeedback:
             floor=floor,
             reason=reason,
         )
+
+    def _demand_moved(self, load: LoadEstimate) -> bool:
+        """Whether the demand rose or fell by the step ratio, beyond sampling noise,
+        since the last load."""
+        last = self._last_load
+        if last is None or not math.isfinite(self.steady_z):
+            return False
+        if last.prefill_requests_per_s <= 0.0 and load.prefill_requests_per_s <= 0.0:
+            return False  # no prompts in either window: nothing moved
+        z = max(demand_rise_z(last, load), demand_rise_z(load, last))
+        step = max(demand_ratio(last, load), demand_ratio(load, last))
+        return z > self.steady_z and step >= self.step_ratio
 
     def _learn(self, current: float, measured: float | None, predicted: float) -> float:
         """One smoothing step towards measured / predicted (means), within bounds."""

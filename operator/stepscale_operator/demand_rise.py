@@ -12,9 +12,10 @@ context, about one prompt a second of lognormal lengths: the need read 3, then
 
 :func:`demand_rise_z` is how many standard errors the later estimate's demand
 lies above the earlier one's, on the request rate and on the prompt tokens (the
-larger). Longer outputs at the same arrivals are not tested: their noise would
-need the output lengths' spread, and a need that rises with them is still
-followed, only not remembered as a burst. Pure arithmetic, no state.
+larger), and :func:`demand_ratio` by what factor (the larger, again). Longer
+outputs at the same arrivals are not tested: their noise would need the output
+lengths' spread, and a need that rises with them is still followed, only not
+remembered as a burst. Pure arithmetic, no state.
 """
 
 from __future__ import annotations
@@ -58,3 +59,17 @@ def demand_rise_z(earlier: LoadEstimate, later: LoadEstimate) -> float:
     t1 = later.prefill_tokens_per_s + later.prefill_cached_tokens_per_s
     tokens = _z(t1, t0, r1 * m2_1 / window, r0 * m2_0 / window)
     return max(requests, tokens)
+
+
+def demand_ratio(earlier: LoadEstimate, later: LoadEstimate) -> float:
+    """By what factor ``later``'s demand exceeds ``earlier``'s: the larger of the
+    request rate's and the prompt tokens' (inf from none)."""
+
+    def ratio(after: float, before: float) -> float:
+        if before <= 0.0:
+            return math.inf if after > 0.0 else 1.0
+        return after / before
+
+    t0 = earlier.prefill_tokens_per_s + earlier.prefill_cached_tokens_per_s
+    t1 = later.prefill_tokens_per_s + later.prefill_cached_tokens_per_s
+    return max(ratio(later.prefill_requests_per_s, earlier.prefill_requests_per_s), ratio(t1, t0))

@@ -78,6 +78,8 @@ class Planner:
             persistence_s=self.policy.measured_miss_s,
             max_correction=self.policy.max_latency_correction,
             tail_share=1.0 - self.policy.latency_quantile,
+            steady_z=self.policy.burst_min_z,
+            step_ratio=self.policy.burst_ratio,
         )
 
     def burst_onsets(self) -> list[tuple[float, int]]:

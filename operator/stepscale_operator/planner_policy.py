@@ -125,6 +125,8 @@ class PlannerPolicy:
     # the load windows' sampling noise (see demand_rise): heavy-tailed prompts at
     # a prompt a second swing one window's need by 3x with no rise in arrivals.
     burst_min_z: float = 3.0
+    # (A demand step by burst_ratio beyond burst_min_z also pauses the closed loop's
+    # learning for one load window: see closed_loop.)
     burst_memory_s: float = 900.0
     # Bursts recur: after two onsets, the next burst's peak need is provisioned one
     # look-ahead horizon before it is due; once the gaps between the last

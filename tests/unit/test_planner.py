@@ -1398,6 +1398,41 @@ def test_the_learned_correction_follows_the_realized_mean() -> None:
     assert all(isinstance(c, float) and c >= 1.0 for c in corrections)
 
 
+def test_the_correction_is_not_learned_from_a_window_that_holds_a_demand_step() -> None:
+    # A burst's first seconds: the window's demand has just stepped up 7x, and its
+    # realized latency (the busy seconds') is far above the prediction for the
+    # window's mean. That is the step, not the model's error: no learning until a
+    # whole window has passed at one load. Then the same realized latency teaches.
+    planner = Planner()
+    quiet = replace(load_of(2.0), realized_itl_mean_ms=1.0, realized_itl_tail_ms=1.0)
+    for t in range(0, 100, 5):
+        planner.decide(inputs_for(quiet, 6, now=t), now=float(t))
+    # Within the SLO (no sustained miss, which acts on its own), but far above the model.
+    burst = replace(load_of(14.0), realized_itl_mean_ms=30.0, realized_itl_tail_ms=35.0)
+    corrections = [
+        planner.decide(inputs_for(burst, 6, now=t), now=float(t)).inputs["itl_correction"]
+        for t in range(100, 200, 5)
+    ]
+    # The step (at 100 s) and the window after it (to 125 s) leave it alone ...
+    assert corrections[:6] == [1.0] * 6
+    # ... then the load has held for a window, and the realized latency is the model's.
+    assert corrections[-1] > 1.2
+
+
+def test_the_correction_keeps_learning_on_a_ramp() -> None:
+    # A busy fleet's demand drifting up 5% a decision (400 req/s: 3.9 standard
+    # errors) is beyond the windows' noise but no step: the realized latency above
+    # the model there is the model's to learn.
+    planner = Planner()
+    corrections = []
+    for i, t in enumerate(range(0, 200, 5)):
+        rate = 400.0 * 1.05 ** min(i, 12)
+        ramp = replace(load_of(rate), realized_itl_mean_ms=30.0, realized_itl_tail_ms=35.0)
+        d = planner.decide(inputs_for(ramp, 40, now=t), now=float(t))
+        corrections.append(d.inputs["itl_correction"])
+    assert corrections[12] > 1.2
+
+
 def test_the_closed_loop_stops_adding_when_more_replicas_do_not_help() -> None:
     planner = Planner()
     load = replace(load_of(20.0), realized_itl_mean_ms=10.0, realized_itl_tail_ms=60.0)
