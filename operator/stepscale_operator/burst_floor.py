@@ -70,8 +70,6 @@ class _Need:
     time: float
     replicas: int
     load: LoadEstimate  # the demand that needed them
-    held: int  # what the sustained demand needed (a peak to keep)
-    held_load: LoadEstimate  # that demand
 
 
 def _recurring_words(burst: RecurringBurst, now: float) -> str:
@@ -112,7 +110,6 @@ class BurstMemory:
         first_decision: float | None,
         load: LoadEstimate,
         size: Callable[[LoadEstimate], int],
-        sustained: tuple[int, LoadEstimate] | None = None,
     ) -> BurstFloor:
         """The floor bursts ask for, and the recurring burst it prepares for (if so).
 
@@ -131,13 +128,6 @@ class BurstMemory:
         queue's growth or drain), so a backlog draining after the burst does not
         inflate it.
 
-        ``sustained`` is the need and demand that the whole load window supports
-        (default: ``needed`` and ``load``); the peak is kept from it. Bursts are
-        detected on ``needed``, which follows a step within seconds, but its
-        newest seconds' clump of arrivals is no demand to hold for 15 minutes
-        (silence-burst: a clump at the onset read 26 req/s of a 16 req/s burst,
-        and 5 replicas were kept where 3-4 served it).
-
         The peak is the demand that needed the most replicas, sized again by
         ``size`` (the planner's count for a demand, as the model and its learned
         correction are now) at every decision. A count read at the onset carries
@@ -150,8 +140,7 @@ class BurstMemory:
         keeps the count up.
         """
         policy = self.settings
-        held, held_load = sustained if sustained is not None else (needed, load)
-        self._needs.append(_Need(now, needed, load, held, held_load))
+        self._needs.append(_Need(now, needed, load))
         keep = max(policy.burst_memory_s, horizon)
         self._needs = [r for r in self._needs if r.time >= now - keep]
         # The low point must be a need judged after one horizon on the model: over
@@ -193,9 +182,9 @@ class BurstMemory:
         memory = 0
         if self._last_burst is not None and now - self._last_burst <= keep:
             since = [r for r in self._needs if r.time >= self._burst_began]
-            top = max(since, key=lambda r: (r.held, r.time))
+            top = max(since, key=lambda r: (r.replicas, r.time))
             # This decision's own need was just sized on the same model: no second search.
-            peak = top.held if top.time == now else size(top.held_load)
+            peak = top.replicas if top.time == now else size(top.load)
             # The burst's peak, for the next one of a period (even without a memory).
             self._recurrence.burst_need(peak)
             if now - self._last_burst <= policy.burst_memory_s:

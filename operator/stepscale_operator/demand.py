@@ -69,7 +69,6 @@ def with_demand(load: LoadEstimate, ratio: float) -> LoadEstimate:
 @dataclass(frozen=True)
 class _Backlog:
     ratio: float  # arrivals over served (the demand ratio)
-    window_ratio: float  # the same over the whole window only (no step in its newest seconds)
     extra: int  # replicas that drain the queue within the drain time (0: no backlog)
     drain: int  # the same, whether or not the queue is a backlog at this fleet's size
     free_at: int  # the fewest serving replicas for which the queue is no backlog
@@ -120,8 +119,7 @@ class DemandStage:
         assert inputs.load is not None
         horizon = inputs.pod_startup_s + policy.lookahead_extra_s
         backlog = self._backlog(inputs)
-        usual = self._with_usual_shape(inputs.load, now)
-        measured = with_demand(usual, backlog.ratio)
+        measured = with_demand(self._with_usual_shape(inputs.load, now), backlog.ratio)
         if backlog.ratio < 1.0:
             # Draining a backlog: the served rate rises as the queue empties, and
             # that rise is the drain, not arrivals; it must not be extrapolated.
@@ -135,11 +133,6 @@ class DemandStage:
         reason = f"the load {horizon:.0f}s ahead"
         return Demand(
             measured=measured,
-            sustained=(
-                measured
-                if backlog.window_ratio == backlog.ratio
-                else with_demand(usual, backlog.window_ratio)
-            ),
             planned=planned,
             survivors=survivors,
             horizon_s=horizon,
@@ -300,20 +293,19 @@ class DemandStage:
         free_at = math.ceil(waiting)
         if per_ready > 0.0:
             free_at = min(free_at, math.ceil(queued / per_ready))
-        ratio = window_ratio = 1.0
+        ratio = 1.0
         # Only a queue (now or of late) past the trigger means the fleet is or was
         # behind; below it, queue changes are the noise of normal batching.
         if waiting > ready and recent > per_ready * ready and served > 0.0:
-            bounds = (1.0 / policy.max_demand_ratio, policy.max_demand_ratio)
-            window_ratio = min(max((served + growth) / served, bounds[0]), bounds[1])
+            ratio = (served + growth) / served
             # A step in the arrivals shows in the newest seconds' balance long before
             # the window's: react to it (rises only; a drain is judged on the window).
-            recent_ratio = load.prefill_demand_tokens_per_s_recent / served
-            ratio = min(max(window_ratio, recent_ratio), bounds[1])
+            ratio = max(ratio, load.prefill_demand_tokens_per_s_recent / served)
+            ratio = min(max(ratio, 1.0 / policy.max_demand_ratio), policy.max_demand_ratio)
         drain_s = policy.backlog_drain_s or max(inputs.pod_startup_s, 1.0)
         drain = 0
         if queued > 0.0 and per_replica > 0.0:
             drain = min(math.ceil(queued / (per_replica * drain_s)), policy.max_surge)
         # A backlog now is one at the serving count: fewer serve than ``free_at``.
         extra = drain if ready < free_at else 0
-        return _Backlog(ratio, window_ratio, extra, drain, free_at, queued, growth)
+        return _Backlog(ratio, extra, drain, free_at, queued, growth)

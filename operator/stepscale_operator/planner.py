@@ -125,9 +125,6 @@ class Planner:
         def resize(load: LoadEstimate) -> int:
             return steady_need(policy, inputs, load, need.search_high, predict)
 
-        held = need.measured_need
-        if demand.sustained is not demand.measured:
-            held = resize(demand.sustained)
         bursts = self._bursts.floor(
             now,
             need.measured_need,
@@ -135,7 +132,6 @@ class Planner:
             self._window.first_decision_time,
             demand.measured,
             resize,
-            (held, demand.sustained),
         )
         floors = apply_floors(need, demand, bursts, feedback, fleet)
         for part in (demand, feedback, need, bursts, floors):

@@ -114,10 +114,6 @@ class Demand:
     """What the fleet must carry: measured, corrected by the queue, and looked ahead."""
 
     measured: LoadEstimate  # served load times ``demand_ratio`` (arrivals by mass balance)
-    # The same by the whole window's balance only: a step the newest seconds show is
-    # followed at once (``measured``), but a clump of arrivals in them is no sustained
-    # demand, and a burst's remembered peak is this one's.
-    sustained: LoadEstimate
     planned: LoadEstimate  # ``measured`` one horizon ahead (trend, headroom)
     survivors: LoadEstimate  # ``measured`` at the heavier request mix (scale-down judges it)
     horizon_s: float

@@ -945,31 +945,6 @@ def test_the_burst_memory_keeps_the_bursts_peak_not_an_earlier_higher_need() -> 
     assert total == peak.desired_replicas < needed_for(high, policy)
 
 
-def test_the_burst_memory_keeps_the_windows_demand_not_a_clump_in_its_newest_seconds() -> None:
-    # A burst's onset on a fleet that is behind: the window's balance reads 60 req/s
-    # (served 40 plus the queue's growth), its newest seconds a clump at 120. The
-    # planner follows the clump at once, but the burst that lasts is 60 req/s, and
-    # that is the demand its memory keeps for the next one.
-    policy = _burst_rules_policy()
-    planner = Planner(policy)
-    low, burst = load_of(20.0), load_of(60.0)
-    onset_load = replace(
-        load_of(40.0, queued=200.0),
-        queued_prefill_tokens_change_per_s=20_000.0,
-        prefill_demand_tokens_per_s_recent=120_000.0,
-    )
-    assert needed_for(burst, policy) < needed_for(load_of(120.0), policy)
-    total, t = _run_steady(planner, low, needed_for(low, policy), 0.0, 400.0)
-    onset = planner.decide(inputs_for(onset_load, total, now=t), now=t)
-    assert onset.inputs["burst_seen_s_ago"] == 0.0
-    assert onset.desired_replicas >= needed_for(load_of(120.0), policy)
-    total, t = _run_steady(planner, burst, onset.desired_replicas, t + 10.0, t + 60.0)
-    total, t = _run_steady(planner, low, total, t, t + 300.0)
-    after = planner.decide(inputs_for(low, total, now=t), now=t)
-    assert "burst" in after.reason
-    assert after.inputs["scale_down_floor"] == needed_for(burst, policy)
-
-
 def test_a_smaller_burst_within_the_memory_does_not_lower_the_floor() -> None:
     # Clusters of requests come at no period, some bigger than others. A small one
     # after a big one is no reason to forget the big one: the next cluster may be
