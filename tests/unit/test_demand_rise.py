@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from stepscale_operator.demand_rise import demand_rise_z, prompt_second_moment
+from stepscale_operator.demand_rise import demand_ratio, demand_rise_z, prompt_second_moment
 from stepscale_operator.load_types import (
     LoadEstimate,
     prompt_bin_tokens_of,
@@ -83,3 +83,12 @@ def test_a_fall_is_no_rise_and_an_unmeasured_window_cannot_be_judged() -> None:
     assert demand_rise_z(window(16.0), window(0.4)) < 0.0
     assert demand_rise_z(window(1.0, window_s=0.0), window(2.0, window_s=0.0)) == math.inf
     assert demand_rise_z(window(0.0), window(0.0)) == math.inf
+
+
+def test_the_demand_ratio_is_the_larger_of_arrivals_and_prompt_tokens() -> None:
+    assert demand_ratio(window(40.0), window(100.0)) == pytest.approx(2.5)
+    # The same arrivals drawing longer prompts: the tokens rose.
+    assert demand_ratio(window(40.0), window(40.0, tokens_scale=2.0)) == pytest.approx(2.0)
+    assert demand_ratio(window(40.0), window(30.0)) == pytest.approx(0.75)
+    assert demand_ratio(window(0.0), window(5.0)) == math.inf  # from silence
+    assert demand_ratio(window(0.0), window(0.0)) == 1.0
