@@ -61,16 +61,25 @@ def planning_margin(policy: PlannerPolicy, model_mape: float | None) -> float:
 def latency_predictions(inputs: PlannerInputs, policy: PlannerPolicy) -> Predict:
     """Predicted latency at ``n`` replicas for a load (one cache per decision)."""
     predictor = _RememberedPredictions(inputs.predictor)
-    # A prompt is out of reach when its prefill alone, on an idle replica, is
-    # beyond what the planner aims for (the SLO less the margin): no count can
-    # bring it within the target, so the TTFT quantile is planned over the rest.
+    # A prompt is out of reach when its prefill alone, on an idle replica, exceeds
+    # the SLO: no count can serve it in time, so the TTFT quantile is planned over
+    # the rest. The others are planned for the SLO less the margin, or, where their
+    # prefill alone exceeds that, for the SLO itself (see latency_model._ttft_tail).
     limit = inputs.slo.ttft_ms * (1.0 - planning_margin(policy, inputs.model_mape))
 
     def prediction(n: int, load: LoadEstimate) -> LatencyPrediction:
         if n <= 0:
             return no_replicas_prediction()
         per = PerReplicaLoad.from_estimate(load, n)
-        return predict_latency(predictor, per, inputs.engine, policy, n, ttft_limit_ms=limit)
+        return predict_latency(
+            predictor,
+            per,
+            inputs.engine,
+            policy,
+            n,
+            ttft_limit_ms=limit,
+            ttft_slo_ms=inputs.slo.ttft_ms,
+        )
 
     return prediction
 
