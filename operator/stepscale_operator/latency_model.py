@@ -698,19 +698,21 @@ def _ttft_tail(
     ttft_mean = wait_mean + service + f_d / 2.0
     unreachable = 0.0
     reachable = services
-    # For each reachable class: whether its prefill alone fits the planning limit.
-    fits_limit = [True] * len(services)
+    # What each reachable class is judged against: the limit, or the SLO for one
+    # whose prefill alone already exceeds the limit.
+    judged_at: list[float] = []
     if ttft_limit_ms is not None and len(services) > 1:
-        reach_s = (ttft_slo_ms if ttft_slo_ms is not None else ttft_limit_ms) / 1e3
+        limit_s = ttft_limit_ms / 1e3
+        reach_s = max(ttft_slo_ms / 1e3, limit_s) if ttft_slo_ms is not None else limit_s
         alone = [
             passes.prefill(length, engine.max_num_batched_tokens, 0.0) for length, _ in classes
         ]
         idle_floor = passes.decode(0.0)
         alone_s = [n * f + idle_floor for n, f in alone]
-        keep = [t <= max(reach_s, ttft_limit_ms / 1e3) for t in alone_s]
+        keep = [t <= reach_s for t in alone_s]
         unreachable = sum(p for ok, (_, p) in zip(keep, services, strict=True) if not ok)
         reachable = [sp for ok, sp in zip(keep, services, strict=True) if ok]
-        fits_limit = [t <= ttft_limit_ms / 1e3 for t, ok in zip(alone_s, keep, strict=True) if ok]
+        judged_at = [limit_s if t <= limit_s else reach_s for t in alone_s if t <= reach_s]
     exceed: Callable[[float], float] | None
     spread_services: list[tuple[float, float]] = []
     if len(services) > 1:
@@ -734,15 +736,13 @@ def _ttft_tail(
     if ttft_limit_ms is not None:
         if exceed is None:
             ttft_miss = 1.0
-        elif not spread_services or all(fits_limit):
-            ttft_miss = exceed(ttft_limit_ms / 1e3)
+        elif spread_services:
+            ttft_miss = sum(
+                _ttft_exceedance([sp], wait_mean, p_wait, f_d)(at)
+                for sp, at in zip(spread_services, judged_at, strict=True)
+            )
         else:
-            assert ttft_slo_ms is not None  # a class beyond the limit is kept only by the SLO
-            within = [sp for fits, sp in zip(fits_limit, spread_services, strict=True) if fits]
-            beyond = [sp for fits, sp in zip(fits_limit, spread_services, strict=True) if not fits]
-            ttft_miss = _ttft_exceedance(within, wait_mean, p_wait, f_d)(
-                ttft_limit_ms / 1e3
-            ) + _ttft_exceedance(beyond, wait_mean, p_wait, f_d)(ttft_slo_ms / 1e3)
+            ttft_miss = exceed(ttft_limit_ms / 1e3)
     return _TtftTail(ttft_q, ttft_mean, unreachable, ttft_miss)
 
 
