@@ -36,6 +36,11 @@ def prompt_second_moment(load: LoadEstimate) -> float | None:
     return squares / sum(histogram)
 
 
+def _prompt_tokens_per_s(load: LoadEstimate) -> float:
+    """Prompt tokens arriving per second, computed or read from the prefix cache."""
+    return load.prefill_tokens_per_s + load.prefill_cached_tokens_per_s
+
+
 def _z(later: float, earlier: float, variance_later: float, variance_earlier: float) -> float:
     spread = math.sqrt(max(variance_later + variance_earlier, 0.0))
     if spread <= 0.0:
@@ -55,8 +60,7 @@ def demand_rise_z(earlier: LoadEstimate, later: LoadEstimate) -> float:
     m2_0, m2_1 = prompt_second_moment(earlier), prompt_second_moment(later)
     if m2_0 is None or m2_1 is None:
         return requests
-    t0 = earlier.prefill_tokens_per_s + earlier.prefill_cached_tokens_per_s
-    t1 = later.prefill_tokens_per_s + later.prefill_cached_tokens_per_s
+    t0, t1 = _prompt_tokens_per_s(earlier), _prompt_tokens_per_s(later)
     tokens = _z(t1, t0, r1 * m2_1 / window, r0 * m2_0 / window)
     return max(requests, tokens)
 
@@ -70,6 +74,5 @@ def demand_ratio(earlier: LoadEstimate, later: LoadEstimate) -> float:
             return math.inf if after > 0.0 else 1.0
         return after / before
 
-    t0 = earlier.prefill_tokens_per_s + earlier.prefill_cached_tokens_per_s
-    t1 = later.prefill_tokens_per_s + later.prefill_cached_tokens_per_s
-    return max(ratio(later.prefill_requests_per_s, earlier.prefill_requests_per_s), ratio(t1, t0))
+    tokens = ratio(_prompt_tokens_per_s(later), _prompt_tokens_per_s(earlier))
+    return max(ratio(later.prefill_requests_per_s, earlier.prefill_requests_per_s), tokens)

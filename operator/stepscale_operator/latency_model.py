@@ -712,7 +712,9 @@ def _ttft_tail(
         keep = [t <= reach_s for t in alone_s]
         unreachable = sum(p for ok, (_, p) in zip(keep, services, strict=True) if not ok)
         reachable = [sp for ok, sp in zip(keep, services, strict=True) if ok]
-        judged_at = [limit_s if t <= limit_s else reach_s for t in alone_s if t <= reach_s]
+        judged_at = [
+            limit_s if t <= limit_s else reach_s for t, ok in zip(alone_s, keep, strict=True) if ok
+        ]
     exceed: Callable[[float], float] | None
     spread_services: list[tuple[float, float]] = []
     if len(services) > 1:
