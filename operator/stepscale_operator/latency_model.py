@@ -504,6 +504,30 @@ class _PrefillQueue:
     pick: RouterPick
 
 
+def _decodes_while_prefilling(
+    batch: float, rate: float, services: list[tuple[float, float]], service: float
+) -> tuple[tuple[float, float], ...]:
+    """Decode requests a replica holds while it prefills a prompt: (mean, weight)
+    per prompt class.
+
+    The prompt in progress is a length-biased draw of the services (weight
+    ``p * S / E[S]``). During its prefill no prompt of that replica finishes, so
+    no decode joins, and those it held finish at their rate: a decode lives
+    ``L = batch / rate`` on average (Little), taken as exponential, so at a
+    moment uniform in a prefill of ``S`` the replica holds ``batch * (L / S) *
+    (1 - exp(-S / L))``. Over short prefills that is the batch; over a prefill
+    of 12 s among decodes living 1.6 s it is an eighth of it.
+    """
+    if batch <= 0.0 or rate <= 0.0 or service <= 0.0:
+        return ()
+    life = batch / rate
+    return tuple(
+        (batch * (life / s) * -math.expm1(-s / life), p * s / service)
+        for s, p in services
+        if s > 0.0 and p > 0.0
+    )
+
+
 def _prefill_queue(
     passes: _Passes,
     steady: _SteadyStep,
@@ -569,7 +593,13 @@ def _prefill_queue(
     if policy.balanced_routing:
         clump = max(dispersion - 1.0, 0.0) * min(service, 1.0) / max(replicas, 1)
         busy = min(rho + clump, 1.0)
-        pick = least_loaded_queue(replicas, steady.batch, busy, queued_per_busy)
+        pick = least_loaded_queue(
+            replicas,
+            steady.batch,
+            busy,
+            queued_per_busy,
+            _decodes_while_prefilling(steady.batch, rate, services, service),
+        )
     else:
         busy = min(rho, 1.0)
         pick = RouterPick.at_random(busy, queued_per_busy, steady.batch)

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 # Deepest prompt queue counted behind one replica's prefill (the tail is geometric).
 _MAX_QUEUE_DEPTH = 64
@@ -57,14 +58,23 @@ class RouterPick:
 
 
 def least_loaded_queue(
-    replicas: int, batch: float, busy: float, queued_per_busy: float
+    replicas: int,
+    batch: float,
+    busy: float,
+    queued_per_busy: float,
+    prefilling_batches: tuple[tuple[float, float], ...] = (),
 ) -> RouterPick:
     """What a least-outstanding router's pick holds, replicas taken as independent.
 
     A replica holds its decode requests, Poisson with mean ``batch`` (the count of
     an infinite-server queue), plus its prompts: none with chance ``1 - busy``,
     else one in progress and a geometric number queued behind it, of mean
-    ``queued_per_busy``. A real balancing router keeps the totals far tighter
+    ``queued_per_busy``. While it prefills, its decodes are a mixture of Poissons,
+    ``prefilling_batches`` holding (mean, weight) (none: Poisson with mean
+    ``batch``): during a prefill far longer than a decode lives, the decodes
+    finish and none join, so that replica comes to hold little more than the
+    prompt, and the router picks it. A real balancing router
+    keeps the totals far tighter
     (variance 0.3-0.5 in the simulator) and a replica starts prefilling just when
     an arrival raises its total; counted there, the chance of a prefill is 12-25%
     high over large batches and 1.5-14x low over batches of about one (see the
@@ -79,6 +89,8 @@ def least_loaded_queue(
     if replicas <= 1 or busy in (0.0, 1.0):
         return RouterPick.at_random(busy, queued_per_busy, batch)
     batch = max(batch, 0.0)
+    mixture = [(min(max(m, 0.0), batch), w) for m, w in prefilling_batches if w > 0.0]
+    during = min((m for m, _ in mixture), default=batch)
     # Prompts held: 0, then 1, 2, ... with a geometric tail (ratio ``sigma``).
     sigma = queued_per_busy / (1.0 + queued_per_busy)
     depth = 1
@@ -86,19 +98,23 @@ def least_loaded_queue(
         depth = max(1, min(_MAX_QUEUE_DEPTH, int(math.log(1e-9) / math.log(sigma)) + 1))
     q = np.arange(depth + 1)
     prompts = np.where(q == 0, 1.0 - busy, busy * (1.0 - sigma) * sigma ** np.maximum(q - 1, 0))
-    spread = 12.0 * math.sqrt(batch) + 20.0
-    low, high = max(0, int(batch - spread)), int(batch + spread) + 1
+    low = max(0, int(during - 12.0 * math.sqrt(during) - 20.0))
+    high = int(batch + 12.0 * math.sqrt(batch) + 20.0) + 1
     k = np.arange(low, high + 1)
-    if batch == 0.0:
-        decodes = (k == 0).astype(float)
-    else:
-        log_factorial = math.lgamma(low + 1) + np.concatenate(([0.0], np.cumsum(np.log(k[1:]))))
-        decodes = np.exp(k * math.log(batch) - batch - log_factorial)
+    idle_decodes = _poisson(batch, low, k)
+    busy_decodes = idle_decodes
+    if mixture:
+        total = sum(w for _, w in mixture)
+        busy_decodes = np.sum([w / total * _poisson(m, low, k) for m, w in mixture], axis=0)
+    idle_prompts = np.where(q == 0, prompts, 0.0)
+    busy_prompts = np.where(q >= 1, prompts, 0.0)
     # Index i of each: a replica holding low + i requests in all, decodes and prompts.
-    held = np.convolve(decodes, prompts)
-    prefilling = np.convolve(decodes, np.where(q >= 1, prompts, 0.0))
-    queued = np.convolve(decodes, np.maximum(q - 1, 0) * prompts)
-    decoding = np.convolve(k * decodes, prompts)
+    held = np.convolve(idle_decodes, idle_prompts) + np.convolve(busy_decodes, busy_prompts)
+    prefilling = np.convolve(busy_decodes, busy_prompts)
+    queued = np.convolve(busy_decodes, np.maximum(q - 1, 0) * prompts)
+    decoding = np.convolve(k * idle_decodes, idle_prompts) + np.convolve(
+        k * busy_decodes, busy_prompts
+    )
     beyond = np.concatenate([np.cumsum(held[::-1])[::-1], [0.0]])  # P(holds >= low + i)
     fewest_here = beyond[:-1] ** replicas - beyond[1:] ** replicas
     ok = held > 0.0
@@ -108,6 +124,15 @@ def least_loaded_queue(
         float((share * queued).sum()),
         float((share * decoding).sum()),
     )
+
+
+def _poisson(mean: float, low: int, k: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+    """P(K = k) for a Poisson count of ``mean``, over ``k`` (consecutive, from ``low``)."""
+    if mean <= 0.0:
+        return (k == 0).astype(float)
+    log_factorial = math.lgamma(low + 1) + np.concatenate(([0.0], np.cumsum(np.log(k[1:]))))
+    out: npt.NDArray[np.float64] = np.exp(k * math.log(mean) - mean - log_factorial)
+    return out
 
 
 def balanced_pick_decodes(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -111,3 +112,29 @@ def test_the_prediction_falls_with_the_fleet_where_a_balancing_router_spares_dec
     held = [beside(replace(base, streams_total=n), n) for n in (8, 16)]
     assert held[1] == pytest.approx(held[0], rel=0.05)
     assert measured[3] < 0.5 * held[1]
+
+
+def test_a_replica_in_a_long_prefill_drains_its_decodes_and_becomes_the_pick() -> None:
+    # 8 replicas, 4 decodes each, a prompt in progress on 30% of them. Short
+    # prefills (50 ms among decodes that live 1.6 s) leave the batch as it is:
+    # the pick is prefilling about as often as before.
+    from stepscale_operator.latency_model import _decodes_while_prefilling
+
+    plain = least_loaded_queue(8, 4.0, 0.3, 0.1)
+    short = _decodes_while_prefilling(4.0, 2.5, [(0.05, 1.0)], 0.05)
+    assert short[0][0] == pytest.approx(4.0 * (1.6 / 0.05) * (1.0 - math.exp(-0.05 / 1.6)))
+    assert least_loaded_queue(8, 4.0, 0.3, 0.1, short).prefilling == pytest.approx(
+        plain.prefilling, rel=0.05
+    )
+    # 5% of prompts take 12 s: over one of them the replica's decodes finish and
+    # none join (0.53 left on average, an eighth), so the router, counting
+    # outstanding requests, sends the next prompt there: the pick is prefilling
+    # over three times as often (the long-context scenario: 9 of 10 reachable
+    # TTFT misses waited behind such a prefill while other replicas had none).
+    mix = [(0.5, 0.95), (12.0, 0.05)]
+    drained = _decodes_while_prefilling(4.0, 2.5, mix, 0.5 * 0.95 + 12.0 * 0.05)
+    assert drained[1][0] == pytest.approx(4.0 * 1.6 / 12.0, rel=0.01)
+    assert sum(w for _, w in drained) == pytest.approx(1.0)
+    assert least_loaded_queue(8, 4.0, 0.3, 0.1, drained).prefilling > 3.0 * plain.prefilling
+    # One replica: it is picked whatever it holds.
+    assert least_loaded_queue(1, 4.0, 0.3, 0.1, drained).prefilling == pytest.approx(0.3)
