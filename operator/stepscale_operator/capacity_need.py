@@ -5,7 +5,11 @@ planning quantile) are within the SLO less a margin (grown by the model's error)
 Out of reach: prompts whose prefill alone exceeds the TTFT SLO on an idle replica
 load the fleet but are not planned for (their share is reported); where no count
 meets the SLO at all, the target is what the most replicas achieve plus
-``out_of_reach_slack``, never maxReplicas for nothing.
+``out_of_reach_slack``, never maxReplicas for nothing. Where a latency quantile
+meets the SLO only at many times the count that serves all but a few more
+requests in time (prompts that nearly fill the TTFT budget, decodes a long
+prefill delays whatever the count), a count whose predicted misses are within
+``out_of_reach_miss_share`` of the most replicas' meets it.
 
 The latency model itself is :mod:`stepscale_operator.latency_model`; this module
 only searches it. Pure and deterministic.
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stepscale_engine.wire import ScheduledRequestMetrics
+from stepscale_operator.closed_loop import NO_FEEDBACK, Feedback, with_correction
 from stepscale_operator.demand import with_demand
 from stepscale_operator.latency_model import (
     LatencyPrediction,
@@ -58,14 +63,20 @@ def planning_margin(policy: PlannerPolicy, model_mape: float | None) -> float:
     )
 
 
-def latency_predictions(inputs: PlannerInputs, policy: PlannerPolicy) -> Predict:
-    """Predicted latency at ``n`` replicas for a load (one cache per decision)."""
+def latency_predictions(
+    inputs: PlannerInputs, policy: PlannerPolicy, feedback: Feedback = NO_FEEDBACK
+) -> Predict:
+    """Predicted latency at ``n`` replicas for a load (one cache per decision), with
+    the closed loop's learned corrections (``feedback``) applied."""
     predictor = _RememberedPredictions(inputs.predictor)
     # A prompt is out of reach when its prefill alone, on an idle replica, exceeds
     # the SLO: no count can serve it in time, so the TTFT quantile is planned over
     # the rest. The others are planned for the SLO less the margin, or, where their
     # prefill alone exceeds that, for the SLO itself (see latency_model._ttft_tail).
-    limit = inputs.slo.ttft_ms * (1.0 - planning_margin(policy, inputs.model_mape))
+    scale = 1.0 - planning_margin(policy, inputs.model_mape)
+    # A correction c says the latencies run c times the model's: a share of the
+    # model's requests above limit / c is the share above the limit.
+    itl_c, ttft_c = feedback.itl_correction, feedback.ttft_correction
 
     def prediction(n: int, load: LoadEstimate) -> LatencyPrediction:
         if n <= 0:
@@ -77,11 +88,12 @@ def latency_predictions(inputs: PlannerInputs, policy: PlannerPolicy) -> Predict
             inputs.engine,
             policy,
             n,
-            ttft_limit_ms=limit,
+            ttft_limit_ms=inputs.slo.ttft_ms * scale / ttft_c,
             ttft_slo_ms=inputs.slo.ttft_ms,
+            itl_limit_ms=inputs.slo.itl_ms * scale / itl_c,
         )
 
-    return prediction
+    return with_correction(prediction, feedback)
 
 
 def capacity_need(
@@ -194,15 +206,18 @@ def slo_within_reach(
         # many times the one that serves all but a few more of those prompts in time.
         # A count whose predicted TTFT misses are within ``out_of_reach_miss_share``
         # of the most replicas' does too: the replicas past it buy less than that.
-        enough = best.ttft_miss_share + policy.out_of_reach_miss_share
+        # The same for ITL: where a prefill delays the decodes of the replica the
+        # router sends it to whatever the count, the ITL quantile falls slowly too.
+        enough_ttft = best.ttft_miss_share + policy.out_of_reach_miss_share
+        enough_itl = best.itl_miss_share + policy.out_of_reach_miss_share
 
         def meets_or_enough(pred: LatencyPrediction, m: float) -> bool:
             if pred.within(slo, m):
                 return True
             return (
                 pred.feasible
-                and pred.itl_ms <= slo.itl_ms * (1.0 - m)
-                and pred.ttft_miss_share <= enough
+                and (pred.itl_ms <= slo.itl_ms * (1.0 - m) or pred.itl_miss_share <= enough_itl)
+                and (pred.ttft_ms <= slo.ttft_ms * (1.0 - m) or pred.ttft_miss_share <= enough_ttft)
             )
 
         return meets_or_enough, ""

@@ -45,8 +45,13 @@ long-context scenario the simulated ITL's median rose from 6.8 to 12.5 ms from t
 shortest prompts to the longest, and the p99 was the longest prompts' ITL; taken
 as every request at the mean context, the prediction put the p99 at half of it.
 
+The distribution (:class:`ItlDistribution`) gives the quantile the planner aims
+at and the share of requests above any limit: where the quantile falls only
+slowly with the replica count, the planner judges a count by that share instead
+(see :func:`~stepscale_operator.capacity_need.slo_within_reach`).
+
 Pure functions; :func:`~stepscale_operator.latency_model.predict_latency` calls
-:func:`itl_quantile`.
+:func:`itl_distribution`.
 """
 
 from __future__ import annotations
@@ -155,6 +160,23 @@ class PromptMix:
 EXACT_INTERVALS = 32
 
 
+@dataclass(frozen=True)
+class ItlDistribution:
+    """The requests' ITL (seconds) as the share of them above each value."""
+
+    exceed: Callable[[FloatArray], FloatArray]  # vectorised, non-increasing
+    lo: float  # no request's ITL is below this
+    hi: float  # a guess at the far tail (the quantile search doubles it if short)
+
+    def quantile(self, tail: float) -> float:
+        """The ITL exceeded by a share ``tail`` of requests."""
+        return exceedance_quantile_on_grid(self.exceed, self.lo, self.hi, tail)
+
+    def share_above(self, itl_s: float) -> float:
+        """The share of requests whose ITL exceeds ``itl_s``."""
+        return float(self.exceed(np.array([itl_s]))[0])
+
+
 def itl_quantile(
     passes: PassTimes,
     chain: PrefillPassChain,
@@ -165,7 +187,24 @@ def itl_quantile(
     mean_intervals: float = 0.0,
     own_context: tuple[tuple[float, float], ...] = ((0.0, 1.0),),
 ) -> float:
-    """The ITL (seconds) exceeded by a share ``tail`` of requests with an ITL.
+    """The ITL (seconds) exceeded by a share ``tail`` of requests with an ITL (see
+    :func:`itl_distribution`)."""
+    dist = itl_distribution(
+        passes, chain, interval_bins, variance_per_pass, prompts, mean_intervals, own_context
+    )
+    return dist.quantile(tail)
+
+
+def itl_distribution(
+    passes: PassTimes,
+    chain: PrefillPassChain,
+    interval_bins: tuple[tuple[int, int, float], ...],
+    variance_per_pass: float,
+    prompts: PromptMix | None = None,
+    mean_intervals: float = 0.0,
+    own_context: tuple[tuple[float, float], ...] = ((0.0, 1.0),),
+) -> ItlDistribution:
+    """The ITL of requests with an ITL, as a distribution.
 
     ``interval_bins`` holds (first, last, share): the share of requests whose
     output has between ``first`` and ``last`` intervals (tokens - 1), each count in
@@ -200,7 +239,7 @@ def itl_quantile(
         points.append((max(last + 1, round(rest_mean)), rest))
     with_itl = sum(share for _, share in points)
     if with_itl <= 0.0:
-        return passes.mean_s
+        return _point(passes.mean_s)
     extra = max(passes.prefill_s - passes.decode_s, 0.0)
     # Short outputs: every (ITL, probability) the chain gives, sorted, so the share
     # above x is one search.
@@ -244,7 +283,7 @@ def itl_quantile(
         return total / with_itl
 
     hi = max(passes.prefill_s, passes.mean_s) + 8.0 * extra
-    return _mixture_quantile(exceed, own_context, passes.decode_s, hi, tail)
+    return _mixture(exceed, own_context, passes.decode_s, hi)
 
 
 def normal_itl_quantile(
@@ -254,23 +293,38 @@ def normal_itl_quantile(
     normal (``mean_s``, ``sd_s``) shifted by its own context (see :func:`itl_quantile`)."""
     if len(own_context) == 1:
         return mean_s + own_context[0][0] + NormalDist().inv_cdf(1.0 - tail) * sd_s
+    return normal_itl_distribution(mean_s, sd_s, own_context).quantile(tail)
+
+
+def normal_itl_distribution(
+    mean_s: float, sd_s: float, own_context: tuple[tuple[float, float], ...]
+) -> ItlDistribution:
+    """Each request's ITL normal (``mean_s``, ``sd_s``), shifted by its own context."""
     dist = NormalDist(mean_s, max(sd_s, 1e-12))
 
     def exceed(x: FloatArray) -> FloatArray:
         return np.array([1.0 - dist.cdf(float(v)) for v in x])
 
-    return _mixture_quantile(exceed, own_context, mean_s - 8.0 * sd_s, mean_s + 8.0 * sd_s, tail)
+    return _mixture(exceed, own_context, mean_s - 8.0 * sd_s, mean_s + 8.0 * sd_s)
 
 
-def _mixture_quantile(
+def _point(itl_s: float) -> ItlDistribution:
+    """Every request at one ITL."""
+
+    def exceed(x: FloatArray) -> FloatArray:
+        return (x < itl_s).astype(np.float64)
+
+    return ItlDistribution(exceed, itl_s, itl_s)
+
+
+def _mixture(
     exceed: Callable[[FloatArray], FloatArray],
     own_context: tuple[tuple[float, float], ...],
     lo: float,
     hi: float,
-    tail: float,
-) -> float:
-    """The quantile at ``tail`` of the mixture of ``exceed`` (vectorised; ``tail`` is
-    reached between ``lo`` and ``hi``) shifted by each (seconds, share) class."""
+) -> ItlDistribution:
+    """The mixture of ``exceed`` (vectorised; its tail lies between ``lo`` and ``hi``)
+    shifted by each (seconds, share) class."""
     kept = [(shift, share) for shift, share in own_context if share > 0.0] or [(0.0, 1.0)]
     shifts = np.array([shift for shift, _ in kept])
     shares = np.array([share for _, share in kept])
@@ -279,6 +333,4 @@ def _mixture_quantile(
     def mixed(x: FloatArray) -> FloatArray:
         return exceed((x[:, None] - shifts[None, :]).ravel()).reshape(x.size, -1) @ shares
 
-    return exceedance_quantile_on_grid(
-        mixed, lo + float(shifts.min()), hi + float(shifts.max()), tail
-    )
+    return ItlDistribution(mixed, lo + float(shifts.min()), hi + float(shifts.max()))

@@ -49,11 +49,12 @@ from typing import Protocol
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.itl_quantile import (
+    ItlDistribution,
     PassTimes,
     PrefillPassChain,
     PromptMix,
-    itl_quantile,
-    normal_itl_quantile,
+    itl_distribution,
+    normal_itl_distribution,
 )
 from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, LoadEstimate, bin_tokens_or_centres
 from stepscale_operator.quantile_search import exceedance_quantile
@@ -250,6 +251,9 @@ class LatencyPrediction:
     unreachable_share: float = 0.0
     # Of the other requests, the share predicted to exceed that limit (0: not asked).
     ttft_miss_share: float = 0.0
+    # The share of requests whose ITL is predicted to exceed the ITL limit the
+    # prediction was asked about (0: not asked).
+    itl_miss_share: float = 0.0
     # Mean prefill service time of a prompt that does not wait (its passes).
     prefill_service_ms: float = 0.0
     # Prompt tokens computed in a decode token's pass, on average, as the long
@@ -625,13 +629,12 @@ def _itl_tail(
     policy: LatencySettings,
     rate: float,
     replicas: int,
-) -> tuple[float, float]:
-    """(the ITL quantile, seconds; the router's exposure it took): the mean step,
+) -> tuple[ItlDistribution, float]:
+    """(the requests' ITL, seconds; the router's exposure it took): the mean step,
     plus the spread of a short request's mean."""
     # The prompts that arrive during a request's life are a compound count
     # (dispersion of the arrivals, variability of their sizes).
     step, f_d, prefills = steady.step, steady.decode_s, steady.prefills
-    q_tail = 1.0 - policy.latency_quantile
     chunks_mean = sum(n * p for n, _, p in prefills)
     f_p = sum(n * f * p for n, f, p in prefills) / max(chunks_mean, 1e-9)
     prefill_step_share = min(rate * chunks_mean * step, 1.0)
@@ -645,7 +648,7 @@ def _itl_tail(
         tail_tokens = max(mean_output * policy.itl_tail_output_fraction, policy.min_itl_tail_tokens)
         sd = max(f_p - f_d, 0.0) * math.sqrt(variance_per_pass / tail_tokens)
         # Every decode sees the prompts: no router's exposure is measured.
-        return normal_itl_quantile(step, sd, own_context, q_tail), 1.0
+        return normal_itl_distribution(step, sd, own_context), 1.0
     # Long outputs see the prompts that arrive while they decode, less those a
     # balancing router sends to replicas with fewer requests (the measured
     # deficit): the mean count scaled by the exposure. Some requests still see
@@ -668,12 +671,11 @@ def _itl_tail(
         policy.balanced_routing,
     )
     # Measured output lengths: the quantile over them (short outputs set it).
-    itl_q = itl_quantile(
+    itl = itl_distribution(
         PassTimes(f_d, f_p, step),
         PrefillPassChain.of(prefill_step_share, variance_per_pass),
         load.output_intervals,
         variance_per_pass,
-        q_tail,
         PromptMix(
             rate * step * exposure,
             # The same variance; where the exposure exceeds the dispersion
@@ -685,7 +687,7 @@ def _itl_tail(
         load.decode_tokens_per_s / rate if rate > 0.0 else 0.0,
         own_context,
     )
-    return itl_q, exposure
+    return itl, exposure
 
 
 @dataclass(frozen=True)
@@ -786,6 +788,7 @@ def predict_latency(
     replicas: int = 1,
     ttft_limit_ms: float | None = None,
     ttft_slo_ms: float | None = None,
+    itl_limit_ms: float | None = None,
 ) -> LatencyPrediction:
     """Steady-state TTFT/ITL of one replica carrying ``load`` (see module docstring).
 
@@ -796,7 +799,8 @@ def predict_latency(
     prefill alone exceeds the SLO (``ttft_slo_ms``; without one, ``ttft_limit_ms``)
     on an idle replica still load it, but the TTFT quantile is over the others (see
     ``unreachable_share``); ``ttft_miss_share`` is the share of those predicted to
-    exceed ``ttft_limit_ms`` (the SLO, for a prompt whose prefill alone exceeds it).
+    exceed ``ttft_limit_ms`` (the SLO, for a prompt whose prefill alone exceeds it),
+    and ``itl_miss_share`` the share of requests predicted over ``itl_limit_ms``.
 
     In stages: the prompts' classes, the steady step, the prefill queue a prompt
     meets, then the ITL and TTFT tails; an overload stops at the stage it shows in.
@@ -809,7 +813,8 @@ def predict_latency(
     queue = _prefill_queue(passes, steady, load, policy, rate, classes, replicas)
     if isinstance(queue, LatencyPrediction):
         return queue
-    itl_s, exposure = _itl_tail(passes, steady, queue, load, policy, rate, replicas)
+    itl, exposure = _itl_tail(passes, steady, queue, load, policy, rate, replicas)
+    itl_s = itl.quantile(1.0 - policy.latency_quantile)
     ttft = _ttft_tail(passes, steady, queue, classes, engine, policy, ttft_limit_ms, ttft_slo_ms)
     return LatencyPrediction(
         replicas=replicas,
@@ -823,6 +828,7 @@ def predict_latency(
         bottleneck="",
         unreachable_share=ttft.unreachable_share,
         ttft_miss_share=ttft.miss_share,
+        itl_miss_share=itl.share_above(itl_limit_ms / 1e3) if itl_limit_ms is not None else 0.0,
         prefill_service_ms=queue.service * 1e3,
         prefill_tokens_per_decode=rate * prompt * steady.step * exposure,
     )

@@ -36,7 +36,7 @@ from stepscale_operator.capacity_need import (
     latency_predictions,
     steady_need,
 )
-from stepscale_operator.closed_loop import NO_FEEDBACK, Feedback, LatencyFeedback, with_correction
+from stepscale_operator.closed_loop import NO_FEEDBACK, Feedback, LatencyFeedback
 from stepscale_operator.demand import DemandStage, forecast_load, with_demand
 from stepscale_operator.latency_model import LatencyPrediction
 from stepscale_operator.load_types import LoadEstimate
@@ -206,7 +206,9 @@ class Planner:
         feedback = self._feedback.observe(
             now, fleet.ready, fleet.starting, inputs.load, raw(fleet.ready, inputs.load), inputs.slo
         )
-        return feedback, with_correction(raw, feedback)
+        if feedback.itl_correction == 1.0 and feedback.ttft_correction == 1.0:
+            return feedback, raw  # its cache already holds this decision's batches
+        return feedback, latency_predictions(inputs, self.policy, feedback)
 
     def _stale_reason(self, inputs: PlannerInputs, now: float) -> str:
         load = inputs.load

@@ -1356,6 +1356,86 @@ def test_a_ttft_tail_that_only_vanishing_queues_meet_is_planned_by_its_misses() 
     assert smallest(PlannerPolicy(out_of_reach_miss_share=0.0)) == 60
 
 
+def test_an_itl_tail_that_falls_slowly_with_the_count_is_planned_by_its_misses() -> None:
+    # A long prefill delays the decodes of the replica the router sends it to, and a
+    # balancing router sends it where decodes drained: the p99 ITL meets the SLO
+    # only at 40 replicas, but past 11 each replica saves fewer than half a point.
+    from stepscale_operator.capacity_need import slo_within_reach
+
+    slo = SloTargets(ttft_ms=1000.0, itl_ms=40.0)
+
+    def predict(n: int, load: LoadEstimate) -> LatencyPrediction:
+        itl = 30.0 if n >= 40 else 45.0
+        miss = 0.004 + 0.06 / n
+        return replace(
+            LatencyPrediction(n, 300.0, itl, 200.0, 20.0, 20.0, 4.0, 0.1, ""),
+            itl_miss_share=miss,
+        )
+
+    def smallest(policy: PlannerPolicy) -> int:
+        meets, words = slo_within_reach(policy, slo, load_of(20.0), 0.1, 64, predict)
+        assert words == ""
+        return next(n for n in range(1, 65) if meets(predict(n, load_of(20.0)), 0.1))
+
+    # Within half a point of the best (64: 0.49% miss) from 11 replicas on.
+    assert smallest(PlannerPolicy()) == 11
+    assert smallest(PlannerPolicy(out_of_reach_miss_share=0.0)) == 40
+
+    # Where the most replicas leave almost no misses, a count whose p99 is over the
+    # limit misses more than 1% of requests: the allowance admits no such count.
+    def steep(n: int, load: LoadEstimate) -> LatencyPrediction:
+        itl = 30.0 if n >= 12 else 45.0
+        return replace(
+            LatencyPrediction(n, 300.0, itl, 200.0, 20.0, 20.0, 4.0, 0.1, ""),
+            itl_miss_share=0.0 if n >= 12 else 0.02,
+        )
+
+    meets, _ = slo_within_reach(PlannerPolicy(), slo, load_of(20.0), 0.1, 64, steep)
+    assert next(n for n in range(1, 65) if meets(steep(n, load_of(20.0)), 0.1)) == 12
+
+
+def test_the_itl_miss_share_is_the_share_of_requests_above_the_limit() -> None:
+    # Short outputs over frequent prefills: a spread-out ITL distribution.
+    shares = (1.0 / len(OUTPUT_INTERVAL_BINS),) * len(OUTPUT_INTERVAL_BINS)
+    load = replace(load_of(30.0, output=20.0), output_interval_shares=shares)
+    per = PerReplicaLoad.from_estimate(load, 2)
+
+    def at(limit_ms: float) -> LatencyPrediction:
+        return predict_latency(
+            LinearStepTime(), per, ENGINE, PlannerPolicy(), 2, itl_limit_ms=limit_ms
+        )
+
+    p99 = at(40.0).itl_ms
+    # The p99 is where the share above falls to 1% (the distribution has steps:
+    # short outputs take a few pass times), and the share falls as the limit rises.
+    assert at(p99).itl_miss_share <= 0.0101 < at(0.995 * p99).itl_miss_share
+    assert at(0.5 * p99).itl_miss_share > 0.05 > 0.0 == at(3.0 * p99).itl_miss_share
+    assert predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), 2).itl_miss_share == 0.0
+
+
+def test_a_learned_correction_moves_the_miss_shares_with_the_latencies() -> None:
+    # The closed loop learned that latencies run twice the model's: a request the
+    # model puts at half the limit is at the limit, so the misses are judged there.
+    from stepscale_operator.capacity_need import latency_predictions, planning_margin
+    from stepscale_operator.closed_loop import NO_FEEDBACK
+
+    shares = (1.0 / len(OUTPUT_INTERVAL_BINS),) * len(OUTPUT_INTERVAL_BINS)
+    load = replace(load_of(30.0, output=20.0), output_interval_shares=shares)
+    inputs = inputs_for(load, 2)
+    raw = latency_predictions(inputs, PlannerPolicy())(2, load)
+    doubled = replace(NO_FEEDBACK, itl_correction=2.0, ttft_correction=2.0)
+    corrected = latency_predictions(inputs, PlannerPolicy(), doubled)(2, load)
+    assert corrected.itl_ms == pytest.approx(2.0 * raw.itl_ms)
+    assert corrected.itl_miss_share > raw.itl_miss_share
+    assert corrected.ttft_miss_share >= raw.ttft_miss_share
+    per = PerReplicaLoad.from_estimate(load, 2)
+    limit = SLO.itl_ms * (1.0 - planning_margin(PlannerPolicy(), inputs.model_mape))
+    half = predict_latency(
+        LinearStepTime(), per, ENGINE, PlannerPolicy(), 2, itl_limit_ms=limit / 2.0
+    )
+    assert corrected.itl_miss_share == pytest.approx(half.itl_miss_share)
+
+
 # -- closed loop --------------------------------------------------------------------
 
 
