@@ -8,7 +8,11 @@ the low point it rose from) is kept for ``burst_memory_s`` so a burst coming bac
 soon finds its capacity already there. A burst within that memory extends it: a
 smaller one does not lower the floor while a bigger one's peak is in the memory.
 What is kept is the peak's *demand*, sized again at every decision with the model
-and the closed loop's correction as they are then (see :meth:`BurstMemory.floor`).
+and the closed loop's correction as they are then (see :meth:`BurstMemory.floor`),
+within the SLO less the margin but without the look-ahead headroom: that headroom
+is for a rise no measurement shows yet, and a remembered peak was measured (kept
+with it, the memory held 5 replicas on silence-burst where its demand needs 4
+and the oracle 3-4).
 Once bursts come at a steady period (:mod:`~stepscale_operator.burst_recurrence`),
 the next one's peak is provisioned one horizon before it is due, and nothing is
 held between. Pure and deterministic, like the planner that owns it.
@@ -137,7 +141,8 @@ class BurstMemory:
         x1.68, and a peak of 8 replicas kept for 15 minutes where 3-4 served the
         burst). The same demand sized with the decayed correction needs what it
         needs, and a correction that stays (the model really under-predicts)
-        keeps the count up.
+        keeps the count up. ``size`` leaves out the look-ahead headroom that
+        ``needed`` (what bursts are judged on) includes.
         """
         policy = self.settings
         self._needs.append(_Need(now, needed, load))
@@ -183,8 +188,7 @@ class BurstMemory:
         if self._last_burst is not None and now - self._last_burst <= keep:
             since = [r for r in self._needs if r.time >= self._burst_began]
             top = max(since, key=lambda r: (r.replicas, r.time))
-            # This decision's own need was just sized on the same model: no second search.
-            peak = top.replicas if top.time == now else size(top.load)
+            peak = size(top.load)
             # The burst's peak, for the next one of a period (even without a memory).
             self._recurrence.burst_need(peak)
             if now - self._last_burst <= policy.burst_memory_s:

@@ -152,11 +152,14 @@ def steady_need(
     measured: LoadEstimate,
     search_high: int,
     predict: Predict,
+    lookahead: bool = True,
 ) -> int:
-    """Replicas a measured demand needs with the look-ahead headroom but no trend,
-    within the SLO less the margin: the need a burst memory keeps (and re-sizes)."""
+    """Replicas a measured demand needs with the look-ahead headroom (``lookahead``)
+    but no trend, within the SLO less the margin: the need bursts are judged on,
+    and without the look-ahead, the need a burst memory keeps (and re-sizes)."""
     margin = planning_margin(policy, inputs.model_mape)
-    steady = with_demand(measured, max(policy.min_lookahead_ratio, 1.0))
+    ratio = max(policy.min_lookahead_ratio, 1.0) if lookahead else 1.0
+    steady = with_demand(measured, ratio)
     n, _, _ = smallest_within_reach(policy, inputs.slo, steady, margin, search_high, predict)
     return n
 

@@ -123,7 +123,7 @@ class Planner:
         assert self._window.first_decision_time is not None
 
         def resize(load: LoadEstimate) -> int:
-            return steady_need(policy, inputs, load, need.search_high, predict)
+            return steady_need(policy, inputs, load, need.search_high, predict, lookahead=False)
 
         bursts = self._bursts.floor(
             now,

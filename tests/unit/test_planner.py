@@ -118,6 +118,17 @@ def needed_for(load: LoadEstimate, policy: PlannerPolicy | None = None) -> int:
     return decision.desired_replicas
 
 
+def held_for(load: LoadEstimate, policy: PlannerPolicy | None = None) -> int:
+    """What the burst memory keeps for a burst of this load: its need within the SLO
+    less the margin, without the look-ahead headroom ``needed_for`` plans with."""
+    from stepscale_operator.capacity_need import latency_predictions, steady_need
+
+    policy = policy or PlannerPolicy()
+    inputs = inputs_for(load, 1)
+    predict = latency_predictions(inputs, policy)
+    return steady_need(policy, inputs, load, inputs.max_replicas, predict, lookahead=False)
+
+
 # -- capacity model -----------------------------------------------------------------
 
 
@@ -482,12 +493,17 @@ def test_a_burst_faster_than_startup_keeps_its_peak_for_the_burst_memory() -> No
     assert peak.action == "scale_up" and peak.inputs["burst_seen_s_ago"] == 0.0
     total = peak.desired_replicas
     # The burst ends; without the memory the 60 s window would release it at 180 s.
+    # The memory keeps what the burst's demand needs (the scale-up also planned
+    # for a look-ahead rise).
+    held = held_for(high, policy)
+    assert needed_for(low, policy) < held < needed_for(high, policy) <= total
     t = 130.0
     while t < 120.0 + 600.0:
         d = planner.decide(inputs_for(low, total, now=t), now=t)
-        assert d.desired_replicas == total, t
+        assert d.desired_replicas >= held, t
+        total = d.desired_replicas
         t += 10.0
-    assert "burst" in d.reason
+    assert "burst" in d.reason and total == held
     # Then the usual stabilization window, and scale-down resumes.
     actions = [
         planner.decide(inputs_for(low, total, now=t + k), now=t + k).action
@@ -943,7 +959,7 @@ def test_the_burst_memory_keeps_the_bursts_peak_not_an_earlier_higher_need() -> 
     assert peak.inputs["burst_seen_s_ago"] == 0.0
     total, t = _run_steady(planner, low, peak.desired_replicas, t + 10.0, t + 300.0)
     # Held at the burst's own need, not at the older, higher one within the memory.
-    assert total == peak.desired_replicas < needed_for(high, policy)
+    assert total == held_for(burst, policy) < held_for(high, policy)
 
 
 def test_a_smaller_burst_within_the_memory_does_not_lower_the_floor() -> None:
@@ -954,7 +970,7 @@ def test_a_smaller_burst_within_the_memory_does_not_lower_the_floor() -> None:
     policy = _burst_rules_policy()
     planner = Planner(policy)
     low, big, small = load_of(20.0), load_of(150.0), load_of(70.0)
-    assert needed_for(low, policy) < needed_for(small, policy) < needed_for(big, policy)
+    assert needed_for(low, policy) < held_for(small, policy) < held_for(big, policy)
 
     def burst_floor(total: int, now: float) -> int:
         floor = planner.decide(inputs_for(low, total, now=now), now=now).inputs["scale_down_floor"]
@@ -973,13 +989,13 @@ def test_a_smaller_burst_within_the_memory_does_not_lower_the_floor() -> None:
     small_ended = t
     # 700 s after the big burst, 300 s after the small one: the big one's peak holds.
     total, t = _run_steady(planner, low, total, t, big_ended + 700.0)
-    assert burst_floor(total, t) >= needed_for(big, policy)
+    assert burst_floor(total, t) >= held_for(big, policy)
     # Once the big one's peak is 900 s old, the small one's is the floor ...
     total, t = _run_steady(planner, low, total, t, big_ended + 1000.0)
-    assert needed_for(small, policy) <= burst_floor(total, t) < needed_for(big, policy)
+    assert held_for(small, policy) <= burst_floor(total, t) < held_for(big, policy)
     # ... until it is 900 s old too.
     total, t = _run_steady(planner, low, total, t, small_ended + 1000.0)
-    assert burst_floor(total, t) < needed_for(small, policy)
+    assert burst_floor(total, t) < held_for(small, policy)
 
 
 def test_a_bursts_remembered_peak_is_sized_with_the_model_as_it_is_now() -> None:
@@ -1010,7 +1026,7 @@ def test_a_bursts_remembered_peak_is_sized_with_the_model_as_it_is_now() -> None
     total, t = _run_steady(planner, quiet, total, t + 10.0, t + 300.0)
     after = planner.decide(inputs_for(quiet, total, now=t), now=t)
     assert "burst" in after.reason
-    assert after.desired_replicas == needed_for(burst, policy) < onset.desired_replicas
+    assert after.desired_replicas == held_for(burst, policy) < onset.desired_replicas
 
 
 LONG_SHARE = 0.1
@@ -1118,7 +1134,7 @@ def test_bursts_at_a_steady_period_are_prepared_for_and_let_go_between() -> None
     policy = PlannerPolicy(
         initial_hold_s=0.0, scale_down_stabilization_s=60.0, scale_down_settle_s=0.0
     )
-    base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
+    base, peak = needed_for(load_of(20.0), policy), held_for(load_of(100.0), policy)
     assert peak >= base + 3
     learning = {t: (n, why) for t, n, why in _bursts_every(Planner(policy), 1200.0, 4, 4000.0)}
     without = Planner(replace(policy, recurring_bursts=0))
@@ -1146,7 +1162,7 @@ def test_a_recurring_burst_that_does_not_come_is_not_waited_for() -> None:
     policy = PlannerPolicy(
         initial_hold_s=0.0, scale_down_stabilization_s=60.0, scale_down_settle_s=0.0
     )
-    base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
+    base, peak = needed_for(load_of(20.0), policy), held_for(load_of(100.0), policy)
     # Three bursts 1200 s apart; the fourth, due at 3900, never comes.
     run = {t: n for t, n, _ in _bursts_every(Planner(policy), 1200.0, 3, 4400.0)}
     assert run[3850.0] >= peak  # prepared for it
@@ -1159,7 +1175,7 @@ def test_irregular_bursts_break_the_pattern() -> None:
     policy = PlannerPolicy(
         initial_hold_s=0.0, scale_down_stabilization_s=60.0, scale_down_settle_s=0.0
     )
-    base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
+    base, peak = needed_for(load_of(20.0), policy), held_for(load_of(100.0), policy)
     planner = Planner(policy)
     total = base
     onsets = (300.0, 1500.0, 3300.0)  # gaps of 1200 and 1800 s
@@ -1186,7 +1202,7 @@ def test_irregular_bursts_break_the_pattern() -> None:
 def test_a_recurring_bursts_peak_is_learned_without_a_burst_memory() -> None:
     # The bursts ramp up over 30 s: the need at detection is below the peak.
     policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0, burst_memory_s=0.0)
-    base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
+    base, peak = needed_for(load_of(20.0), policy), held_for(load_of(100.0), policy)
     planner = Planner(policy)
     total, t = base, 0.0
     prepared: list[int] = []
@@ -1204,7 +1220,7 @@ def test_a_recurring_bursts_peak_is_learned_without_a_burst_memory() -> None:
 
 def test_a_new_planner_restored_from_burst_onsets_prepares_for_the_next_burst() -> None:
     policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0)
-    base, peak = needed_for(load_of(20.0), policy), needed_for(load_of(100.0), policy)
+    base, peak = needed_for(load_of(20.0), policy), held_for(load_of(100.0), policy)
     learned = Planner(policy)
     _bursts_every(learned, 1200.0, 3, 3700.0)  # bursts at 300, 1500, 2700
     onsets = learned.burst_onsets()
