@@ -177,24 +177,6 @@ class ItlDistribution:
         return float(self.exceed(np.array([itl_s]))[0])
 
 
-def itl_quantile(
-    passes: PassTimes,
-    chain: PrefillPassChain,
-    interval_bins: tuple[tuple[int, int, float], ...],
-    variance_per_pass: float,
-    tail: float,
-    prompts: PromptMix | None = None,
-    mean_intervals: float = 0.0,
-    own_context: tuple[tuple[float, float], ...] = ((0.0, 1.0),),
-) -> float:
-    """The ITL (seconds) exceeded by a share ``tail`` of requests with an ITL (see
-    :func:`itl_distribution`)."""
-    dist = itl_distribution(
-        passes, chain, interval_bins, variance_per_pass, prompts, mean_intervals, own_context
-    )
-    return dist.quantile(tail)
-
-
 def itl_distribution(
     passes: PassTimes,
     chain: PrefillPassChain,
@@ -284,16 +266,6 @@ def itl_distribution(
 
     hi = max(passes.prefill_s, passes.mean_s) + 8.0 * extra
     return _mixture(exceed, own_context, passes.decode_s, hi)
-
-
-def normal_itl_quantile(
-    mean_s: float, sd_s: float, own_context: tuple[tuple[float, float], ...], tail: float
-) -> float:
-    """The ITL exceeded by a share ``tail`` of requests when each request's ITL is
-    normal (``mean_s``, ``sd_s``) shifted by its own context (see :func:`itl_quantile`)."""
-    if len(own_context) == 1:
-        return mean_s + own_context[0][0] + NormalDist().inv_cdf(1.0 - tail) * sd_s
-    return normal_itl_distribution(mean_s, sd_s, own_context).quantile(tail)
 
 
 def normal_itl_distribution(

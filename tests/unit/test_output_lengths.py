@@ -14,8 +14,8 @@ from stepscale_operator.itl_quantile import (
     PassTimes,
     PrefillPassChain,
     PromptMix,
-    itl_quantile,
-    normal_itl_quantile,
+    itl_distribution,
+    normal_itl_distribution,
 )
 from stepscale_operator.latency_model import EngineLimits, PerReplicaLoad, predict_latency
 from stepscale_operator.load_estimate import LoadEstimator
@@ -23,6 +23,23 @@ from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS
 from stepscale_operator.output_lengths import OutputLengthEstimator
 from stepscale_operator.planner_policy import PlannerPolicy
 from tests.unit.test_planner import LinearStepTime
+
+
+def itl_quantile(
+    passes: PassTimes,
+    chain: PrefillPassChain,
+    bins: tuple[tuple[int, int, float], ...],
+    variance_per_pass: float,
+    tail: float,
+    prompts: PromptMix | None = None,
+    mean_intervals: float = 0.0,
+    own_context: tuple[tuple[float, float], ...] = ((0.0, 1.0),),
+) -> float:
+    """The ITL exceeded by a share ``tail`` of requests (as the latency model takes it)."""
+    dist = itl_distribution(
+        passes, chain, bins, variance_per_pass, prompts, mean_intervals, own_context
+    )
+    return dist.quantile(tail)
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -369,8 +386,10 @@ def test_itl_quantile_mixes_the_requests_own_context_shifts() -> None:
     below = itl_quantile(passes, chain, long_only, 0.0, 0.01, own_context=half_percent)
     assert below == pytest.approx(0.007, rel=1e-3)
     # The prior's normal takes the same mixture; one class is the normal itself.
-    assert normal_itl_quantile(0.007, 0.0, two_percent, 0.01) == pytest.approx(0.012, rel=1e-3)
-    assert normal_itl_quantile(0.007, 0.001, ((0.0, 1.0),), 0.01) == pytest.approx(
+    assert normal_itl_distribution(0.007, 0.0, two_percent).quantile(0.01) == pytest.approx(
+        0.012, rel=1e-3
+    )
+    assert normal_itl_distribution(0.007, 0.001, ((0.0, 1.0),)).quantile(0.01) == pytest.approx(
         0.007 + 2.3263e-3, rel=1e-3
     )
 
