@@ -188,6 +188,8 @@ class BurstMemory:
         if self._last_burst is not None and now - self._last_burst <= keep:
             since = [r for r in self._needs if r.time >= self._burst_began]
             top = max(since, key=lambda r: (r.replicas, r.time))
+            # Sized again even at this decision: ``needed`` has the look-ahead, the
+            # memory does not.
             peak = size(top.load)
             # The burst's peak, for the next one of a period (even without a memory).
             self._recurrence.burst_need(peak)

@@ -73,9 +73,8 @@ def least_loaded_queue(
     ``prefilling_batches`` holding (mean, weight) (none: Poisson with mean
     ``batch``): during a prefill far longer than a decode lives, the decodes
     finish and none join, so that replica comes to hold little more than the
-    prompt, and the router picks it. A real balancing router
-    keeps the totals far tighter
-    (variance 0.3-0.5 in the simulator) and a replica starts prefilling just when
+    prompt, and the router picks it. A real balancing router keeps the totals far
+    tighter (variance 0.3-0.5 in the simulator) and a replica starts prefilling just when
     an arrival raises its total; counted there, the chance of a prefill is 12-25%
     high over large batches and 1.5-14x low over batches of about one (see the
     README). The router picks the replica holding the fewest (ties at random), so
