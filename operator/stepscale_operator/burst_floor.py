@@ -13,6 +13,14 @@ within the SLO less the margin but without the look-ahead headroom: that headroo
 is for a rise no measurement shows yet, and a remembered peak was measured (kept
 with it, the memory held 5 replicas on silence-burst where its demand needs 4
 and the oracle 3-4).
+A burst is kept because one that ends as fast as it came may come back as fast.
+The memory therefore watches how the latest burst's demand leaves the level it
+held: once it is down from it by ``burst_ratio`` and by more than the noise (the
+onset's rule reversed, on the demand alone), a fall that took longer than one
+horizon lets the burst go. That was a level that faded (long context: a rise
+faster than pods start, ten minutes up, then down over several; its peak held 12
+replicas where 6-8 served), and the usual scale-down follows it. A fall within
+one horizon keeps the peak as before.
 Once bursts come at a steady period (:mod:`~stepscale_operator.burst_recurrence`),
 the next one's peak is provisioned one horizon before it is due, and nothing is
 held between. Pure and deterministic, like the planner that owns it.
@@ -25,7 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from stepscale_operator.burst_recurrence import BurstRecurrence, RecurringBurst
-from stepscale_operator.demand_rise import demand_rise_z
+from stepscale_operator.demand_rise import demand_ratio, demand_rise_z
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner_stages import BurstFloor
 
@@ -94,6 +102,12 @@ class BurstMemory:
         self._needs: list[_Need] = []  # need on the measured demand
         self._last_burst: float | None = None
         self._burst_began = 0.0  # when the last burst's rise began (its low point)
+        # When the latest burst's own rise began, since when its demand has been
+        # down from a level it held, and whether that fall has been judged yet
+        # (see :meth:`_judge_the_fall`).
+        self._latest_began = 0.0
+        self._down_since: float | None = None
+        self._fall_judged = False
         self._recurrence = BurstRecurrence(
             settings.recurring_bursts, settings.burst_period_tolerance
         )
@@ -105,6 +119,65 @@ class BurstMemory:
     def restore(self, onsets: Sequence[tuple[float, int]]) -> None:
         """Start from bursts seen before (see :meth:`onsets`), on this clock."""
         self._recurrence.restore(onsets)
+
+    def _fell_by_a_burst(self, high: _Need, low: _Need) -> bool:
+        """``low``'s demand is a burst's fall from ``high``'s: down by ``burst_ratio``
+        (arrivals or prompt tokens) and by more than the windows' sampling noise.
+
+        Judged on the demand, not the need: a need recorded at a burst's onset
+        carries the closed loop's onset correction, which decays once the fleet has
+        caught up, so the recorded needs fall while the burst goes on (on
+        silence-burst, 6 at the onset, 3-4 after). And a small fleet's burst ends
+        in fewer replicas than ``burst_min_step`` (silence-burst: 16 -> 6 requests a
+        second, 4 -> 2 replicas).
+        """
+        policy = self.settings
+        return (
+            demand_ratio(low.load, high.load) >= policy.burst_ratio
+            and demand_rise_z(low.load, high.load) >= policy.burst_min_z
+        )
+
+    def _below_a_held_level(self, current: _Need, window_s: float) -> bool:
+        """``current``'s demand is a burst's fall below a level the latest burst held
+        for a whole load window (every reading in it). One reading is not a level:
+        the onset's can be a draining backlog's overshoot (silence-burst: 25
+        requests a second for 15 s, 16-19 after)."""
+        run_began: float | None = None
+        for r in self._needs:
+            if r.time < self._latest_began:
+                continue
+            if not self._fell_by_a_burst(r, current):
+                run_began = None
+                continue
+            run_began = r.time if run_began is None else run_began
+            if r.time - run_began >= window_s:
+                return True
+        return False
+
+    def _judge_the_fall(self, now: float, horizon: float) -> None:
+        """Let the latest burst go if its demand came down over longer than one
+        horizon. Judged once, when the demand has stayed a burst's fall below a
+        level the burst held (:meth:`_below_a_held_level`) for one load window: a
+        window that drew few prompts reads one low value. The fall was sharp if a
+        demand a burst's fall above today's stood within one horizon before it
+        began.
+        """
+        if self._fall_judged:
+            return
+        current = self._needs[-1]
+        window_s = current.load.window_s
+        if not self._below_a_held_level(current, window_s):
+            self._down_since = None
+            return
+        if self._down_since is None:
+            self._down_since = now
+        if now - self._down_since < window_s:
+            return
+        self._fall_judged = True
+        since = self._down_since - horizon
+        recent = [r for r in self._needs if since <= r.time < now]
+        if not any(self._fell_by_a_burst(r, current) for r in recent):
+            self._last_burst = None  # a level that faded, not a burst that went
 
     def floor(
         self,
@@ -143,6 +216,9 @@ class BurstMemory:
         needs, and a correction that stays (the model really under-predicts)
         keeps the count up. ``size`` leaves out the look-ahead headroom that
         ``needed`` (what bursts are judged on) includes.
+
+        A burst whose demand came down from the level it held over longer than
+        one horizon is let go (see :meth:`_judge_the_fall`).
         """
         policy = self.settings
         self._needs.append(_Need(now, needed, load))
@@ -177,12 +253,17 @@ class BurstMemory:
             if self._last_burst is None or now - self._last_burst > policy.burst_memory_s:
                 self._burst_began = at_low.time
             self._last_burst = now
+            self._latest_began = at_low.time
+            self._down_since = None
+            self._fall_judged = False
             if new_burst:
                 # Its beat: when the need crossed halfway up. The low point's time
                 # wanders with the noise of the need before the burst (3, 4, 3...),
                 # by up to a horizon; the halfway crossing is where the rise is steep.
                 halfway = min(r.time for r in before if 2 * r.replicas >= low + needed)
                 self._recurrence.burst_began(halfway, needed)
+        if self._last_burst is not None and now - self._last_burst <= keep:
+            self._judge_the_fall(now, horizon)
         seen = None if self._last_burst is None else now - self._last_burst
         memory = 0
         if self._last_burst is not None and now - self._last_burst <= keep:

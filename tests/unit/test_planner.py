@@ -11,6 +11,7 @@ import pytest
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.burst_floor import BurstMemory
+from stepscale_operator.demand_rise import demand_ratio
 from stepscale_operator.latency_model import (
     EngineLimits,
     LatencyPrediction,
@@ -1077,6 +1078,103 @@ def test_a_need_that_jumps_on_a_few_long_prompts_is_not_a_burst() -> None:
         for t in range(210, 500, 10):
             later = memory.floor(float(t), low, horizon, 0.0, usual, size)
         assert later.floor == (jumped if is_burst else 0), later.reason
+
+
+def test_a_burst_that_fades_over_minutes_is_not_kept_one_that_ends_at_once_is() -> None:
+    # Long context's load rose faster than pods start (a burst by the onset's rule),
+    # stayed up for ten minutes and then came down over several: the memory held its
+    # peak for 15 minutes, 12 replicas where 6-8 served for the last five. A burst
+    # that ends as fast as it came may come back as fast, and keeps its peak; a
+    # demand that came down over longer than a start-up is followed by the usual
+    # scale-down. The memory is driven with the needs directly, one per demand.
+    horizon = 70.0
+    rates = {4: 20.0, 5: 50.0, 6: 60.0, 7: 70.0, 8: 100.0}
+    loads = {need: load_of(rate) for need, rate in rates.items()}
+
+    def size(load: LoadEstimate) -> int:
+        return next(need for need, at in loads.items() if at is load)
+
+    def run(fall: list[int]) -> list[int]:
+        memory = BurstMemory(_burst_rules_policy())
+        for t in range(0, 200, 10):
+            memory.floor(float(t), 4, horizon, 0.0, loads[4], size)
+        onset = memory.floor(200.0, 8, horizon, 0.0, loads[8], size)
+        assert onset.seen_s_ago == 0.0
+        for t in range(210, 400, 10):
+            memory.floor(float(t), 8, horizon, 0.0, loads[8], size)
+        floors, t = [], 400.0
+        for need in fall:
+            floors.append(memory.floor(t, need, horizon, 0.0, loads[need], size).floor)
+            t += 10.0
+        return floors
+
+    # The same fall, at once or a replica every 80 s (slower than a start-up).
+    at_once = run([4] * 60)
+    fading = run([7] * 8 + [6] * 8 + [5] * 8 + [4] * 36)
+    assert at_once == [8] * 60
+    # Kept until its demand has been down by the burst ratio for a load window (30 s)
+    # then let go: it came down over more than a start-up.
+    assert fading[:11] == [8] * 11
+    assert fading[11:] == [0] * 49
+    # A fall of a burst's size within one start-up, after a slower start, is a burst
+    # that ended: kept.
+    assert run([7] * 6 + [4] * 54) == [8] * 60
+
+
+def test_a_bursts_fall_is_judged_on_its_demand_not_on_the_needs_recorded() -> None:
+    # At a burst's onset the swamped fleet's realized latency teaches the closed loop
+    # a correction that decays over the next minutes, once the fleet has caught up:
+    # the need recorded at the onset is 8, then 7, 6 and 5 while the burst goes on.
+    # Judged on the recorded needs, the onset's 8 against the 5 the burst settles at
+    # is a burst's fall, made over minutes, and the burst was let go while it went on
+    # (silence-burst; then nothing was kept when it ended). Its demand did not fall.
+    horizon = 70.0
+    low, onset, going_on = load_of(20.0), load_of(70.0), load_of(60.0)
+    correction = {"extra": 3}
+
+    def size(load: LoadEstimate) -> int:
+        return (2 if load is low else 5) + correction["extra"]
+
+    memory = BurstMemory(_burst_rules_policy())
+    correction["extra"] = 0
+    for t in range(0, 200, 10):
+        memory.floor(float(t), 2, horizon, 0.0, low, size)
+    correction["extra"] = 3
+    assert memory.floor(200.0, 8, horizon, 0.0, onset, size).seen_s_ago == 0.0
+    floors = []
+    for t in range(210, 800, 10):
+        correction["extra"] = max(0, 2 - (t - 210) // 70)
+        floors.append(memory.floor(float(t), size(going_on), horizon, 0.0, going_on, size).floor)
+    assert floors[-1] == 5 and all(f >= 5 for f in floors)  # still kept
+    # It ends at once: kept.
+    ended = [memory.floor(float(t), 2, horizon, 0.0, low, size).floor for t in range(800, 900, 10)]
+    assert ended == [5] * len(ended)
+
+
+def test_one_low_window_within_a_burst_is_not_its_fall() -> None:
+    # The burst's peak reading can be the onset's overshoot (the demand read as served
+    # plus the queue's growth while a backlog drains: 25 requests a second on
+    # silence-burst, 16-19 after), and one window that drew few prompts reads low:
+    # together a burst's ratio below the peak, minutes after it. Only a fall that
+    # holds for a load window is judged; the burst goes on and is kept.
+    horizon = 70.0
+    low, onset, going_on, one_low = (load_of(r) for r in (20.0, 100.0, 70.0, 60.0))
+    assert demand_ratio(one_low, onset) >= PlannerPolicy().burst_ratio
+
+    def size(load: LoadEstimate) -> int:
+        return 2 if load is low else 6
+
+    memory = BurstMemory(_burst_rules_policy())
+    for t in range(0, 200, 10):
+        memory.floor(float(t), 2, horizon, 0.0, low, size)
+    # The onset's need is the burst's highest (its overshoot, and the closed loop's
+    # onset correction): the peak the fall is judged from.
+    assert memory.floor(200.0, 8, horizon, 0.0, onset, size).seen_s_ago == 0.0
+    floors = [
+        memory.floor(float(t), 6, horizon, 0.0, one_low if t == 500 else going_on, size).floor
+        for t in range(210, 800, 10)
+    ]
+    assert floors == [6] * len(floors)
 
 
 def test_the_planners_own_warm_up_is_not_a_burst() -> None:
