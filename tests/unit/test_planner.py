@@ -11,7 +11,6 @@ import pytest
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.burst_floor import BurstMemory
-from stepscale_operator.demand_rise import demand_ratio
 from stepscale_operator.latency_model import (
     EngineLimits,
     LatencyPrediction,
@@ -1151,30 +1150,43 @@ def test_a_bursts_fall_is_judged_on_its_demand_not_on_the_needs_recorded() -> No
     assert ended == [5] * len(ended)
 
 
-def test_one_low_window_within_a_burst_is_not_its_fall() -> None:
-    # The burst's peak reading can be the onset's overshoot (the demand read as served
-    # plus the queue's growth while a backlog drains: 25 requests a second on
-    # silence-burst, 16-19 after), and one window that drew few prompts reads low:
-    # together a burst's ratio below the peak, minutes after it. Only a fall that
-    # holds for a load window is judged; the burst goes on and is kept.
+def test_one_reading_is_not_a_level_a_burst_falls_from_or_to() -> None:
+    # A burst's highest reading can be the onset's overshoot (the demand read as
+    # served plus the queue's growth while a backlog drains: 25 requests a second on
+    # silence-burst, 16-19 after), and one window that drew few prompts reads low.
+    # Either, minutes into a burst that drifts a little, puts it a burst's ratio
+    # below its "peak" with no sharp fall before: a slow fall, by appearance. The
+    # fall is judged from a level held for a load window, and must itself hold for
+    # one: both bursts go on, and are kept.
     horizon = 70.0
-    low, onset, going_on, one_low = (load_of(r) for r in (20.0, 100.0, 70.0, 60.0))
-    assert demand_ratio(one_low, onset) >= PlannerPolicy().burst_ratio
+    low = load_of(20.0)
 
-    def size(load: LoadEstimate) -> int:
-        return 2 if load is low else 6
+    def run(rates: list[float]) -> list[int]:
+        loads = [load_of(rate) for rate in rates]
 
-    memory = BurstMemory(_burst_rules_policy())
-    for t in range(0, 200, 10):
-        memory.floor(float(t), 2, horizon, 0.0, low, size)
-    # The onset's need is the burst's highest (its overshoot, and the closed loop's
-    # onset correction): the peak the fall is judged from.
-    assert memory.floor(200.0, 8, horizon, 0.0, onset, size).seen_s_ago == 0.0
-    floors = [
-        memory.floor(float(t), 6, horizon, 0.0, one_low if t == 500 else going_on, size).floor
-        for t in range(210, 800, 10)
-    ]
-    assert floors == [6] * len(floors)
+        def size(load: LoadEstimate) -> int:
+            return 2 if load is low else 6
+
+        memory = BurstMemory(_burst_rules_policy())
+        for t in range(0, 200, 10):
+            memory.floor(float(t), 2, horizon, 0.0, low, size)
+        # The first reading's need is the burst's highest too (the closed loop's
+        # onset correction): the peak as recorded.
+        assert memory.floor(200.0, 8, horizon, 0.0, loads[0], size).seen_s_ago == 0.0
+        return [
+            memory.floor(200.0 + 10.0 * k, 6, horizon, 0.0, load, size).floor
+            for k, load in enumerate(loads[1:], start=1)
+        ]
+
+    ratio = PlannerPolicy().burst_ratio
+    # One reading of 100 (the overshoot), the burst at 70, then at 60: 100 / 60 is a
+    # burst's ratio, 70 / 60 is not.
+    assert 100.0 / 60.0 >= ratio > 70.0 / 60.0
+    overshoot = [100.0] + [70.0] * 20 + [60.0] * 40
+    assert run(overshoot) == [6] * 60
+    # Held at 100, drifting to 70 over minutes, one window of 60 among them.
+    drift = [100.0] * 20 + [90.0] * 8 + [80.0] * 8 + [70.0] * 10 + [60.0] + [70.0] * 13
+    assert run(drift) == [6] * 59
 
 
 def test_the_planners_own_warm_up_is_not_a_burst() -> None:
