@@ -19,7 +19,7 @@ held: once it is down from it by ``burst_ratio`` and by more than the noise (the
 onset's rule reversed, on the demand alone), a fall that took longer than one
 horizon lets the burst go. That was a level that faded (long context: a rise
 faster than pods start, ten minutes up, then down over several; its peak held 12
-replicas where 6-8 served), and the usual scale-down follows it. A fall within
+replicas where 5-8 served), and the usual scale-down follows it. A fall within
 one horizon keeps the peak as before.
 Once bursts come at a steady period (:mod:`~stepscale_operator.burst_recurrence`),
 the next one's peak is provisioned one horizon before it is due, and nothing is
@@ -127,7 +127,7 @@ class BurstMemory:
         Judged on the demand, not the need: a need recorded at a burst's onset
         carries the closed loop's onset correction, which decays once the fleet has
         caught up, so the recorded needs fall while the burst goes on (on
-        silence-burst, 6 at the onset, 3-4 after). And a small fleet's burst ends
+        silence-burst, 5 at the onset, 3-4 after). And a small fleet's burst ends
         in fewer replicas than ``burst_min_step`` (silence-burst: 16 -> 6 requests a
         second, 4 -> 2 replicas).
         """
