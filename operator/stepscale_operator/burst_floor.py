@@ -19,8 +19,11 @@ held: once it is down from it by ``burst_ratio`` and by more than the noise (the
 onset's rule reversed, on the demand alone), a fall that took longer than one
 horizon lets the burst go. That was a level that faded (long context: a rise
 faster than pods start, ten minutes up, then down over several; its peak held 12
-replicas where 5-8 served), and the usual scale-down follows it. A fall within
-one horizon keeps the peak as before.
+replicas where 5-8 served), and the usual scale-down follows it; status says
+when (``status.bursts.fadedSecondsAgo``). A fall within one horizon keeps the
+peak as before. A faded burst still counts as an onset for the period below: a
+level that comes at a period, faster than pods start, needs its capacity a
+start-up ahead each time however slowly it leaves.
 Once bursts come at a steady period (:mod:`~stepscale_operator.burst_recurrence`),
 the next one's peak is provisioned one horizon before it is due, and nothing is
 held between. Pure and deterministic, like the planner that owns it.
@@ -108,6 +111,7 @@ class BurstMemory:
         self._latest_began = 0.0
         self._down_since: float | None = None
         self._fall_judged = False
+        self._faded_at: float | None = None  # when the latest burst was let go
         self._recurrence = BurstRecurrence(
             settings.recurring_bursts, settings.burst_period_tolerance
         )
@@ -177,7 +181,7 @@ class BurstMemory:
         since = self._down_since - horizon
         recent = [r for r in self._needs if since <= r.time < now]
         if not any(self._fell_by_a_burst(r, current) for r in recent):
-            self._last_burst = None  # a level that faded, not a burst that went
+            self._faded_at = now  # a level that faded, not a burst that went
 
     def floor(
         self,
@@ -244,18 +248,27 @@ class BurstMemory:
             # window; keeping its peak would hold capacity no burst asked for.
             and demand_rise_z(at_low.load, load) >= policy.burst_min_z
         ):
-            new_burst = self._last_burst is None or now - self._last_burst > horizon
+            new_burst = (
+                self._last_burst is None
+                or self._faded_at is not None
+                or now - self._last_burst > horizon
+            )
             # A burst within the memory of the last one extends it: a smaller burst
             # must not erase a bigger one's peak, which stays until it is
             # burst_memory_s old (on bursty code a 4-replica burst replaced a
             # 13-replica memory, the fleet walked down to 6 and the next cluster met
             # it: 99.18% -> 99.57% attainment for 2.3% more GPU-hours).
-            if self._last_burst is None or now - self._last_burst > policy.burst_memory_s:
+            if (
+                self._last_burst is None
+                or self._faded_at is not None
+                or now - self._last_burst > policy.burst_memory_s
+            ):
                 self._burst_began = at_low.time
             self._last_burst = now
             self._latest_began = at_low.time
             self._down_since = None
             self._fall_judged = False
+            self._faded_at = None
             if new_burst:
                 # Its beat: when the need crossed halfway up. The low point's time
                 # wanders with the noise of the need before the burst (3, 4, 3...),
@@ -265,8 +278,9 @@ class BurstMemory:
         if self._last_burst is not None and now - self._last_burst <= keep:
             self._judge_the_fall(now, horizon)
         seen = None if self._last_burst is None else now - self._last_burst
+        faded = None if self._faded_at is None else now - self._faded_at
         memory = 0
-        if self._last_burst is not None and now - self._last_burst <= keep:
+        if self._last_burst is not None and now - self._last_burst <= keep and faded is None:
             since = [r for r in self._needs if r.time >= self._burst_began]
             top = max(since, key=lambda r: (r.replicas, r.time))
             # Sized again even at this decision: ``needed`` has the look-ahead, the
@@ -282,6 +296,12 @@ class BurstMemory:
         def floor(value: int, prepared: RecurringBurst | None) -> BurstFloor:
             if prepared is not None:
                 reason = _recurring_words(prepared, now)
+            elif faded is not None and seen is not None:
+                reason = (
+                    f"the burst seen {seen:.0f}s ago faded over longer than a pod "
+                    f"start-up ({faded:.0f}s ago): a level that went, not a burst that "
+                    "may come back as fast, so its peak is not kept"
+                )
             elif value and seen is not None:
                 reason = (
                     f"a burst faster than pod start-up was seen {seen:.0f}s ago; the "
@@ -290,7 +310,7 @@ class BurstMemory:
                 )
             else:
                 reason = "no burst to prepare for"
-            return BurstFloor(value, prepared, seen, onsets, recurring, reason)
+            return BurstFloor(value, prepared, seen, faded, onsets, recurring, reason)
 
         if recurring is None:
             return floor(memory, None)

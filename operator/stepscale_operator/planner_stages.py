@@ -179,6 +179,9 @@ class BurstFloor:
     floor: int
     prepared: RecurringBurst | None
     seen_s_ago: float | None
+    # The latest burst's demand faded over longer than a start-up this long ago, and
+    # its peak is no longer kept (None: not faded, or no burst).
+    faded_s_ago: float | None
     onsets: tuple[tuple[float, int], ...]
     recurring: RecurringBurst | None
     reason: str
@@ -187,6 +190,7 @@ class BurstFloor:
         """Status/log fields (what ``status.bursts`` reads)."""
         return {
             "burst_seen_s_ago": self.seen_s_ago,
+            "burst_faded_s_ago": self.faded_s_ago,
             "recurring_burst": asdict(self.recurring) if self.recurring is not None else None,
             "burst_onsets": [[onset, peak] for onset, peak in self.onsets],
         }

@@ -279,6 +279,28 @@ def test_status_says_when_the_next_recurring_burst_is_due() -> None:
     assert bursts_from_status(None) == []
 
 
+def test_status_says_when_a_bursts_load_faded_and_its_peak_was_let_go() -> None:
+    # A rise faster than pods start (20 -> 100 req/s), ten minutes up, then down to
+    # 20 over ten minutes: a level that went, not a burst that may come back as fast.
+    planner = Planner(replace(PlannerPolicy(), initial_hold_s=0.0))
+    total, t, decisions = 2, 0.0, []
+    while t <= 2400.0:
+        rate = 20.0 if t < 300.0 else 100.0 if t < 900.0 else max(20.0, 100.0 - (t - 900.0) / 7.5)
+        d = _decide(planner, t, rate, total)
+        total = d.desired_replicas
+        decisions.append(d)
+        t += 10.0
+    up = burst_status(decisions[60], 1.7e9)  # t = 600: the level holds
+    assert up is not None and "fadedSecondsAgo" not in up
+    last = burst_status(decisions[-1], 1.7e9)
+    assert last is not None and last["lastSeenSecondsAgo"] > last["fadedSecondsAgo"]
+    # Let go during the fall (900-1500 s), not before it and not after it ended.
+    assert 2400.0 - 1500.0 < last["fadedSecondsAgo"] < 2400.0 - 900.0
+    status_schema = schema()["properties"]["status"]["properties"]["bursts"]
+    assert pruned(last, status_schema) == last
+    assert types_ok(last, status_schema) == []
+
+
 def test_restored_bursts_stay_in_status_before_a_burst_is_seen() -> None:
     planner = Planner()
     planner.restore_burst_onsets([(100.0, 5), (700.0, 6), (1300.0, 5)])

@@ -33,6 +33,7 @@ from stepscale_operator.planner import (
     ReplicaCounts,
     forecast_load,
 )
+from stepscale_operator.planner_stages import BurstFloor
 from stepscale_operator.router_pick import least_loaded_queue, prefill_exposure
 
 FLOOR_S = 0.006
@@ -1093,7 +1094,7 @@ def test_a_burst_that_fades_over_minutes_is_not_kept_one_that_ends_at_once_is() 
     def size(load: LoadEstimate) -> int:
         return next(need for need, at in loads.items() if at is load)
 
-    def run(fall: list[int]) -> list[int]:
+    def run(fall: list[int]) -> list[BurstFloor]:
         memory = BurstMemory(_burst_rules_policy())
         for t in range(0, 200, 10):
             memory.floor(float(t), 4, horizon, 0.0, loads[4], size)
@@ -1103,21 +1104,27 @@ def test_a_burst_that_fades_over_minutes_is_not_kept_one_that_ends_at_once_is() 
             memory.floor(float(t), 8, horizon, 0.0, loads[8], size)
         floors, t = [], 400.0
         for need in fall:
-            floors.append(memory.floor(t, need, horizon, 0.0, loads[need], size).floor)
+            floors.append(memory.floor(t, need, horizon, 0.0, loads[need], size))
             t += 10.0
         return floors
 
     # The same fall, at once or a replica every 80 s (slower than a start-up).
     at_once = run([4] * 60)
     fading = run([7] * 8 + [6] * 8 + [5] * 8 + [4] * 36)
-    assert at_once == [8] * 60
+    assert [f.floor for f in at_once] == [8] * 60
+    assert all(f.faded_s_ago is None for f in at_once)
     # Kept until its demand has been down by the burst ratio for a load window (30 s)
     # then let go: it came down over more than a start-up.
-    assert fading[:11] == [8] * 11
-    assert fading[11:] == [0] * 49
+    assert [f.floor for f in fading[:11]] == [8] * 11
+    assert [f.floor for f in fading[11:]] == [0] * 49
+    # Status says so: the burst was still seen, and when it was let go.
+    assert all(f.faded_s_ago is None for f in fading[:11])
+    let_go = fading[11]
+    assert let_go.faded_s_ago == 0.0 and let_go.seen_s_ago == 250.0
+    assert "faded" in let_go.reason and fading[-1].faded_s_ago == 480.0
     # A fall of a burst's size within one start-up, after a slower start, is a burst
     # that ended: kept.
-    assert run([7] * 6 + [4] * 54) == [8] * 60
+    assert [f.floor for f in run([7] * 6 + [4] * 54)] == [8] * 60
 
 
 def test_a_bursts_fall_is_judged_on_its_demand_not_on_the_needs_recorded() -> None:
