@@ -17,17 +17,7 @@ stationary share is ``pi`` and whose correlation ``lam`` gives the variance the
 load's shape implies for long windows: per pass, ``Var(K_m) / m -> pi * (D + cv2)``
 with ``D`` the arrival dispersion and ``cv2`` that of the prefill service (the same
 variance the normal approximation uses). The count ``K_m`` of prefill passes among
-a short request's ``m`` intervals is computed exactly on that chain. What each
-of those passes adds is not the mean prefill pass: a long prompt's chunks fill the
-token budget, a short prompt's add little, and a request of a few tokens that
-meets one of the long ones has that chunk's ITL. With the prompt mix known, each
-of the ``k`` passes is drawn from its classes on its own (each class weighted by
-the chunks it brings; the sum's distribution by FFT on a grid). On silence-burst
-the mean pass put 5.5% of requests above the predicted p99 (4.6% now), nearly all
-of them short outputs. Drawing all ``k`` from one class instead (as if a run of
-prefill passes were always one prompt's chunks) over-predicted where prompts
-mostly fit one chunk: the Azure trace's median p99 ITL bias +0.3% -> +5.4% (+0.6%
-drawn on their own), and the planner bought 7.8% more GPU-hours for it.
+a short request's ``m`` intervals is computed exactly on that chain.
 
 Long outputs average many passes, but not so many that every prompt is alike:
 where prompts vary in length (a few of many chunks among many short ones), the
@@ -238,27 +228,17 @@ def itl_distribution(
     exact = [(m, share) for m, share in points if m <= EXACT_INTERVALS]
     values: list[npt.NDArray[np.float64]] = []
     weights: list[npt.NDArray[np.float64]] = []
-    # With the prompt mix: per m, the CDF of its passes' extra time on a grid.
-    mixed_exact: list[tuple[int, float, npt.NDArray[np.float64]]] = []
-    sum_step = 1.0
     if exact:
-        most = max(m for m, _ in exact)
-        dists = chain.count_distributions(most)
-        per_pass = _prefill_pass_extras(prompts, extra)
-        if len(per_pass) > 1:
-            sum_step, sums = _prefill_sums(per_pass, most)
-            mixed_exact = [(m, s, np.cumsum(dists[m - 1] @ sums[: m + 1])) for m, s in exact]
-        else:
-            for m, share in exact:
-                values.append(passes.decode_s + extra * np.arange(m + 1) / m)
-                weights.append(share * dists[m - 1])
+        dists = chain.count_distributions(max(m for m, _ in exact))
+        for m, share in exact:
+            values.append(passes.decode_s + extra * np.arange(m + 1) / m)
+            weights.append(share * dists[m - 1])
     vals = np.concatenate(values) if values else np.zeros(0)
     order = np.argsort(vals)
     vals = vals[order]
     above = np.concatenate(
         [np.cumsum((np.concatenate(weights) if weights else vals)[order][::-1])[::-1], [0.0]]
     )
-    steps = np.arange(mixed_exact[0][2].size) if mixed_exact else np.zeros(1)
     # Long ones: the compound sum when the prompt mix is known, else a normal.
     compound: list[tuple[int, float, float, npt.NDArray[np.float64]]] = []
     normals: list[tuple[float, NormalDist]] = []
@@ -274,9 +254,6 @@ def itl_distribution(
     def exceed(x: FloatArray) -> FloatArray:
         # Vectorised over ``x``: the mixture below evaluates every class at once.
         total = above[np.searchsorted(vals, x, side="right")]
-        for m, share, cdf in mixed_exact:
-            at = (x - passes.decode_s) * m / sum_step  # the passes' extra, in grid steps
-            total = total + share * (1.0 - np.interp(at, steps, cdf, left=0.0, right=1.0))
         for share, dist in normals:
             total = total + share * np.array([1.0 - dist.cdf(float(v)) for v in x])
         for m, share, step, cdf in compound:
@@ -289,43 +266,6 @@ def itl_distribution(
 
     hi = max(passes.prefill_s, passes.mean_s) + 8.0 * extra
     return _mixture(exceed, own_context, passes.decode_s, hi)
-
-
-def _prefill_pass_extras(prompts: PromptMix | None, extra: float) -> npt.NDArray[np.float64]:
-    """(seconds a pass with prefill adds over a decode pass, share of such passes) per
-    prompt class: each class's chunk time, weighted by the chunks it brings. Without
-    the prompt mix, every such pass adds the mean ``extra``."""
-    if prompts is None or not prompts.classes:
-        return np.array([[extra, 1.0]])
-    rows = np.array(
-        [[max(e, 0.0), max(n, 1.0) * p] for n, e, p in prompts.classes if p > 0.0] or [[extra, 1.0]]
-    )
-    rows[:, 1] /= rows[:, 1].sum()
-    return rows
-
-
-def _prefill_sums(
-    per_pass: npt.NDArray[np.float64], most: int, points: int = 2048
-) -> tuple[float, npt.NDArray[np.float64]]:
-    """(grid step in seconds, probabilities per k = 0..``most`` at 0, step, 2 step,
-    ...) of the extra time ``k`` prefill passes add, each drawn from ``per_pass`` on
-    its own: the k-fold convolution, by FFT."""
-    top = float(per_pass[:, 0].max())
-    if top <= 0.0:
-        sums = np.zeros((most + 1, 2))
-        sums[:, 0] = 1.0
-        return 1.0, sums
-    # k passes reach at most k (top / step + 1) grid steps: no wrap-around.
-    step = top * most / (points - 2 * most - 1)
-    at = per_pass[:, 0] / step
-    low = np.floor(at).astype(np.int64)
-    upper = at - low
-    # Each class's mass split between its two grid neighbours: keeps the mean.
-    pmf = np.bincount(low, weights=per_pass[:, 1] * (1.0 - upper), minlength=points)
-    pmf += np.bincount(low + 1, weights=per_pass[:, 1] * upper, minlength=points)
-    powers = np.fft.rfft(pmf)[None, :] ** np.arange(most + 1)[:, None]
-    sums = np.clip(np.fft.irfft(powers, points, axis=1), 0.0, None)
-    return step, sums / np.maximum(sums.sum(axis=1, keepdims=True), 1e-300)
 
 
 def normal_itl_distribution(

@@ -371,56 +371,6 @@ def test_itl_quantile_of_two_token_outputs_is_a_prefill_pass_when_more_than_the_
     assert 0.0184 < long_only < 0.03
 
 
-def test_a_short_outputs_itl_tail_is_the_slow_prefill_passes_not_their_mean() -> None:
-    # A fifth of passes carry a prefill chunk. Most prompts are short (one chunk
-    # adding 5 ms); one in ten is long (eight chunks adding 50 ms each), so almost
-    # half the prefill passes are its chunks. A 2-token request's one interval is
-    # such a pass 0.2 x 0.47 = 9% of the time: its p99 is a long prompt's chunk
-    # (58 ms), where the mean prefill pass (34 ms) put it before (silence-burst: 5.5%
-    # of requests above the predicted p99, nearly all short outputs).
-    mean_extra = (0.9 * 0.005 + 0.8 * 0.050) / 1.7
-    passes = PassTimes(decode_s=0.008, prefill_s=0.008 + mean_extra, mean_s=0.0134)
-    chain = PrefillPassChain.of(0.2, 0.2 * 0.8)
-    mix = PromptMix(0.01, 1.0, ((1.0, 0.005, 0.9), (8.0, 0.050, 0.1)))
-    only_two = ((0, 0, 0.0), (1, 1, 1.0))
-    at_p99 = itl_quantile(passes, chain, only_two, 0.16, 0.01, mix)
-    assert at_p99 == pytest.approx(0.058, rel=1e-3)
-    # Without the mix, the mean prefill pass stands for every one.
-    assert itl_quantile(passes, chain, only_two, 0.16, 0.01) == pytest.approx(passes.prefill_s)
-    # The mean ITL is the same either way: the classes average to the mean pass.
-    dist = itl_distribution(passes, chain, only_two, 0.16, mix)
-    grid = np.linspace(0.0, 0.1, 20001)
-    mean = float(np.sum(dist.exceed(grid)) * (grid[1] - grid[0]))
-    assert mean == pytest.approx(0.008 + 0.2 * mean_extra, rel=1e-3)
-    # Rarer than the tail (0.2 x 0.016 of intervals): the p99 is a short prompt's chunk.
-    rare = PromptMix(0.01, 1.0, ((1.0, 0.005, 0.998), (8.0, 0.050, 0.002)))
-    assert itl_quantile(passes, chain, only_two, 0.16, 0.01, rare) == pytest.approx(0.013, rel=1e-3)
-
-
-def test_a_short_outputs_prefill_passes_are_drawn_each_on_its_own() -> None:
-    # 3-token outputs: two intervals. Each prefill pass adds 5 ms (short prompt) or
-    # 50 ms (a long prompt's chunk), chunk-weighted 53% / 47%. The ITL is the decode
-    # pass plus the sum of the k prefill passes' extra over 2, k from the chain.
-    passes = PassTimes(decode_s=0.008, prefill_s=0.03, mean_s=0.0134)
-    chain = PrefillPassChain.of(0.3, 0.3 * 2.0)
-    mix = PromptMix(0.01, 1.0, ((1.0, 0.005, 0.9), (8.0, 0.050, 0.1)))
-    dist = itl_distribution(passes, chain, ((0, 0, 0.0), (1, 1, 0.0), (2, 2, 1.0)), 0.6, mix)
-    p_k = chain.count_distributions(2)[1]
-    long_share = 0.8 / 1.7
-    extras = {0.005: 1.0 - long_share, 0.050: long_share}
-    # Every (k, classes) outcome and its probability, the passes independent.
-    outcomes = [(0.008, p_k[0])]
-    outcomes += [(0.008 + e / 2.0, p_k[1] * p) for e, p in extras.items()]
-    outcomes += [
-        (0.008 + (e1 + e2) / 2.0, p_k[2] * p1 * p2)
-        for e1, p1 in extras.items()
-        for e2, p2 in extras.items()
-    ]
-    for limit in (0.012, 0.02, 0.03, 0.04, 0.05):
-        want = sum(p for itl, p in outcomes if itl > limit)
-        assert dist.share_above(limit) == pytest.approx(want, abs=1e-3), limit
-
-
 def test_itl_quantile_mixes_the_requests_own_context_shifts() -> None:
     # No prefill at all: every request's ITL is its decode pass, moved by its context.
     passes = PassTimes(decode_s=0.007, prefill_s=0.007, mean_s=0.007)
