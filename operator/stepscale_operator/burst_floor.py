@@ -31,6 +31,7 @@ held between. Pure and deterministic, like the planner that owns it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -270,12 +271,15 @@ class BurstMemory:
                 # by up to a horizon; the halfway crossing is where the rise is steep.
                 halfway = min(r.time for r in before if 2 * r.replicas >= low + needed)
                 self._recurrence.burst_began(halfway, needed)
-        if self._last_burst is not None and now - self._last_burst <= keep:
+        age = math.inf if self._last_burst is None else now - self._last_burst
+        # The latest burst is within the memory's reach (kept, or judged faded).
+        remembered = age <= keep
+        if remembered:
             self._judge_the_fall(now, horizon)
-        seen = None if self._last_burst is None else now - self._last_burst
+        seen = None if self._last_burst is None else age
         faded = None if self._faded_at is None else now - self._faded_at
         memory = 0
-        if self._last_burst is not None and now - self._last_burst <= keep and faded is None:
+        if remembered and faded is None:
             since = [r for r in self._needs if r.time >= self._burst_began]
             top = max(since, key=lambda r: (r.replicas, r.time))
             # Sized again even at this decision: ``needed`` has the look-ahead, the
@@ -283,7 +287,7 @@ class BurstMemory:
             peak = size(top.load)
             # The burst's peak, for the next one of a period (even without a memory).
             self._recurrence.burst_need(peak)
-            if now - self._last_burst <= policy.burst_memory_s:
+            if age <= policy.burst_memory_s:
                 memory = peak
         recurring = self._recurrence.expected(now)
         onsets = tuple(self._recurrence.onsets())
@@ -291,7 +295,7 @@ class BurstMemory:
         def floor(value: int, prepared: RecurringBurst | None) -> BurstFloor:
             if prepared is not None:
                 reason = _recurring_words(prepared, now)
-            elif faded is not None and seen is not None:
+            elif faded is not None and remembered:
                 reason = (
                     f"the burst seen {seen:.0f}s ago faded over longer than a pod "
                     f"start-up ({faded:.0f}s ago): a level that went, not a burst that "

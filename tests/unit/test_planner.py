@@ -1094,8 +1094,8 @@ def test_a_burst_that_fades_over_minutes_is_not_kept_one_that_ends_at_once_is() 
     def size(load: LoadEstimate) -> int:
         return next(need for need, at in loads.items() if at is load)
 
-    def run(fall: list[int]) -> list[BurstFloor]:
-        memory = BurstMemory(_burst_rules_policy())
+    def run(fall: list[int], memory: BurstMemory | None = None) -> list[BurstFloor]:
+        memory = memory or BurstMemory(_burst_rules_policy())
         for t in range(0, 200, 10):
             memory.floor(float(t), 4, horizon, 0.0, loads[4], size)
         onset = memory.floor(200.0, 8, horizon, 0.0, loads[8], size)
@@ -1110,7 +1110,8 @@ def test_a_burst_that_fades_over_minutes_is_not_kept_one_that_ends_at_once_is() 
 
     # The same fall, at once or a replica every 80 s (slower than a start-up).
     at_once = run([4] * 60)
-    fading = run([7] * 8 + [6] * 8 + [5] * 8 + [4] * 36)
+    faded_memory = BurstMemory(_burst_rules_policy())
+    fading = run([7] * 8 + [6] * 8 + [5] * 8 + [4] * 36, faded_memory)
     assert [f.floor for f in at_once] == [8] * 60
     assert all(f.faded_s_ago is None for f in at_once)
     # Kept until its demand has been down by the burst ratio for a load window (30 s)
@@ -1122,6 +1123,10 @@ def test_a_burst_that_fades_over_minutes_is_not_kept_one_that_ends_at_once_is() 
     let_go = fading[11]
     assert let_go.faded_s_ago == 0.0 and let_go.seen_s_ago == 250.0
     assert "faded" in let_go.reason and fading[-1].faded_s_ago == 480.0
+    # Once the memory would have let it go anyway (900 s after the burst), the
+    # reason no longer names it; status still says when it faded.
+    later = faded_memory.floor(260.0 + 901.0, 4, horizon, 0.0, loads[4], size)
+    assert later.reason == "no burst to prepare for" and later.faded_s_ago == 651.0
     # A fall of a burst's size within one start-up, after a slower start, is a burst
     # that ended: kept.
     assert [f.floor for f in run([7] * 6 + [4] * 54)] == [8] * 60
