@@ -12,7 +12,9 @@ and the closed loop's correction as they are then (see :meth:`BurstMemory.floor`
 within the SLO less the margin but without the look-ahead headroom: that headroom
 is for a rise no measurement shows yet, and a remembered peak was measured (kept
 with it, the memory held 5 replicas on silence-burst where its demand needs 4
-and the oracle 3-4).
+and the oracle 3-4). It is served as the streams measure the fleet's serving at
+that decision (:func:`~stepscale_operator.demand.with_fleet_of`): a peak read
+while its pods joined carries the router's transient, not the demand's shape.
 A burst is kept because one that ends as fast as it came may come back as fast.
 The memory therefore watches how the latest burst's demand leaves the level it
 held: once it is down from it by ``burst_ratio`` and by more than the noise (the
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from stepscale_operator.burst_recurrence import BurstRecurrence, RecurringBurst
+from stepscale_operator.demand import with_fleet_of
 from stepscale_operator.demand_rise import demand_ratio, demand_rise_z
 from stepscale_operator.load_types import LoadEstimate
 from stepscale_operator.planner_stages import BurstFloor
@@ -222,6 +225,15 @@ class BurstMemory:
         keeps the count up. ``size`` leaves out the look-ahead headroom that
         ``needed`` (what bursts are judged on) includes.
 
+        What the streams measure of the fleet rather than of the demand (how the
+        router splits arrivals over the replicas, what a prefill pass spares of
+        their decodes) is taken from ``load``, the decision's own estimate. The
+        highest reading is often taken while the burst's pods join: a new
+        replica takes most of the arrivals at first, so one replica's arrivals
+        read clumpier than the fleet's (silence-burst: a replica's dispersion
+        6-8 against the fleet's 3, then 1.2 once settled). Kept with the peak,
+        that transient sized a demand the settled fleet serves with fewer.
+
         A burst whose demand came down from the level it held over longer than
         one horizon is let go (see :meth:`_judge_the_fall`).
         """
@@ -284,7 +296,7 @@ class BurstMemory:
             top = max(since, key=lambda r: (r.replicas, r.time))
             # Sized again even at this decision: ``needed`` has the look-ahead, the
             # memory does not.
-            peak = size(top.load)
+            peak = size(with_fleet_of(top.load, load))
             # The burst's peak, for the next one of a period (even without a memory).
             self._recurrence.burst_need(peak)
             if age <= policy.burst_memory_s:

@@ -66,6 +66,30 @@ def with_demand(load: LoadEstimate, ratio: float) -> LoadEstimate:
     )
 
 
+# What the streams measure of the serving fleet rather than of the demand: how the
+# router splits the arrivals over the replicas, what a prefill pass spares of their
+# decodes, and the streams both were measured on (the model carries them from there
+# to any count).
+FLEET_MEASURED_FIELDS = (
+    "replica_arrival_dispersion",
+    "prefill_pass_decode_deficit",
+    "streams_total",
+    "streams_missing",
+    "missing_streams",
+)
+
+
+def with_fleet_of(demand: LoadEstimate, fleet: LoadEstimate) -> LoadEstimate:
+    """``demand`` (arrivals, prompts, outputs) served as ``fleet``'s streams measure
+    the serving: its :data:`FLEET_MEASURED_FIELDS` taken from ``fleet``."""
+    fields = {name: getattr(fleet, name) for name in FLEET_MEASURED_FIELDS}
+    measured = set(FLEET_MEASURED_FIELDS)
+    if all(getattr(demand, name) == value for name, value in fields.items()):
+        return demand
+    unavailable = (demand.unavailable - measured) | (fleet.unavailable & measured)
+    return replace(demand, unavailable=frozenset(unavailable), **fields)
+
+
 @dataclass(frozen=True)
 class _Backlog:
     ratio: float  # arrivals over served (the demand ratio)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ import pytest
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.burst_floor import BurstMemory
+from stepscale_operator.demand import with_fleet_of
 from stepscale_operator.latency_model import (
     EngineLimits,
     LatencyPrediction,
@@ -1028,6 +1030,44 @@ def test_a_bursts_remembered_peak_is_sized_with_the_model_as_it_is_now() -> None
     after = planner.decide(inputs_for(quiet, total, now=t), now=t)
     assert "burst" in after.reason
     assert after.desired_replicas == held_for(burst, policy) < onset.desired_replicas
+
+
+def test_a_bursts_remembered_peak_is_served_as_the_fleet_measures_its_serving_now() -> None:
+    # A burst's highest reading is taken while its pods join: a new replica takes
+    # most of the router's arrivals at first, the old ones fewer, so one replica's
+    # arrivals per second read clumpier than the fleet's (silence-burst: a
+    # replica's dispersion 6-8 against the fleet's 3, then 1.2 once the fleet
+    # settled). That is the fleet changing, not the demand. The memory keeps the
+    # peak's demand and sizes it with what the streams measure of the serving now:
+    # the onset's clumping held 7 replicas for 15 minutes where its demand, served
+    # as the fleet now serves it, needs 4-5.
+    horizon = 70.0
+    low = replace(load_of(20.0), replica_arrival_dispersion=1.1, streams_total=8)
+    onset = replace(load_of(100.0), replica_arrival_dispersion=6.0, streams_total=4)
+    settled = replace(load_of(90.0), replica_arrival_dispersion=1.2, streams_total=8)
+
+    def size(load: LoadEstimate) -> int:
+        # Clumpier arrivals at one replica need more replicas for the same demand.
+        per_replica = 20.0 if load.replica_arrival_dispersion < 2.0 else 12.5
+        return max(1, math.ceil(load.prefill_requests_per_s / per_replica))
+
+    memory = BurstMemory(_burst_rules_policy())
+    for t in range(0, 200, 10):
+        memory.floor(float(t), size(low), horizon, 0.0, low, size)
+    assert memory.floor(200.0, size(onset), horizon, 0.0, onset, size).seen_s_ago == 0.0
+    assert size(onset) == 8
+    for t in range(210, 500, 10):
+        during = memory.floor(float(t), size(settled), horizon, 0.0, settled, size)
+    # The onset's demand (100 requests a second, the peak) at the settled fleet's
+    # dispersion: 5, not the 8 the onset's own clumping asked for.
+    assert during.floor == 5
+    for t in range(500, 800, 10):
+        after = memory.floor(float(t), size(low), horizon, 0.0, low, size)
+    assert after.floor == 5 and "burst" in after.reason
+    # The demand is the peak's: only what the fleet measures of its serving is now's.
+    served = with_fleet_of(onset, low)
+    assert served.prefill_requests_per_s == 100.0
+    assert (served.replica_arrival_dispersion, served.streams_total) == (1.1, 8)
 
 
 LONG_SHARE = 0.1
