@@ -1038,9 +1038,9 @@ def test_a_bursts_remembered_peak_is_served_as_the_fleet_measures_its_serving_no
     # arrivals per second read clumpier than the fleet's (silence-burst: a
     # replica's dispersion 6-8 against the fleet's 3, then 1.2 once the fleet
     # settled). That is the fleet changing, not the demand. The memory keeps the
-    # peak's demand and sizes it with what the streams measure of the serving now:
-    # the onset's clumping held 7 replicas for 15 minutes where its demand, served
-    # as the fleet now serves it, needs 4-5.
+    # peak's demand and sizes it with what the streams measure of the serving now
+    # (with the model of branch experiment/palm-start, the onset's clumping held 7
+    # replicas for 15 minutes where its demand, so served, needs 4-5).
     horizon = 70.0
     low = replace(load_of(20.0), replica_arrival_dispersion=1.1, streams_total=8)
     onset = replace(load_of(100.0), replica_arrival_dispersion=6.0, streams_total=4)
