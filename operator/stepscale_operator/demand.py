@@ -83,9 +83,9 @@ def with_fleet_of(demand: LoadEstimate, fleet: LoadEstimate) -> LoadEstimate:
     """``demand`` (arrivals, prompts, outputs) served as ``fleet``'s streams measure
     the serving: its :data:`FLEET_MEASURED_FIELDS` taken from ``fleet``."""
     fields = {name: getattr(fleet, name) for name in FLEET_MEASURED_FIELDS}
-    measured = set(FLEET_MEASURED_FIELDS)
     if all(getattr(demand, name) == value for name, value in fields.items()):
-        return demand
+        return demand  # measured on the same serving: the estimate itself
+    measured = set(FLEET_MEASURED_FIELDS)
     unavailable = (demand.unavailable - measured) | (fleet.unavailable & measured)
     return replace(demand, unavailable=frozenset(unavailable), **fields)
 
