@@ -91,6 +91,16 @@ class _Need:
     load: LoadEstimate  # the demand that needed them
 
 
+@dataclass(frozen=True)
+class _KeptPeak:
+    """What the memory keeps at one decision."""
+
+    memory: int  # the remembered peak's need now (0: none kept)
+    remembered: bool  # the latest burst is within the memory's reach
+    seen_s_ago: float | None  # the latest burst (None: none seen)
+    faded_s_ago: float | None  # when it was let go as a level that faded
+
+
 def _recurring_words(burst: RecurringBurst, now: float) -> str:
     """Why capacity waits for a recurring burst, in words."""
     due = burst.next_onset - now
@@ -237,10 +247,45 @@ class BurstMemory:
         A burst whose demand came down from the level it held over longer than
         one horizon is let go (see :meth:`_judge_the_fall`).
         """
-        policy = self.settings
+        keep = max(self.settings.burst_memory_s, horizon)
         self._needs.append(_Need(now, needed, load))
-        keep = max(policy.burst_memory_s, horizon)
         self._needs = [r for r in self._needs if r.time >= now - keep]
+        self._note_a_burst(now, needed, load, horizon, first_decision)
+        kept = self._kept_peak(now, load, size, keep, horizon)
+        recurring = self._recurrence.expected(now)
+        value: int = kept.memory
+        prepared: RecurringBurst | None = None
+        if recurring is not None:
+            lead = horizon + max(recurring.jitter_s, self.settings.lookahead_extra_s)
+            due_soon = now >= recurring.next_onset - lead
+            if recurring.confirmed:
+                value, prepared = (recurring.peak_need, recurring) if due_soon else (0, None)
+            # A tentative period (one gap): prepare for the next burst, which costs
+            # a start-up's worth of capacity if it does not come, but keep the
+            # memory: one gap says nothing of what comes in between.
+            elif due_soon and recurring.peak_need > kept.memory:
+                value, prepared = recurring.peak_need, recurring
+        return BurstFloor(
+            value,
+            prepared,
+            kept.seen_s_ago,
+            kept.faded_s_ago,
+            tuple(self._recurrence.onsets()),
+            recurring,
+            self._floor_words(now, kept, value, prepared),
+        )
+
+    def _note_a_burst(
+        self,
+        now: float,
+        needed: int,
+        load: LoadEstimate,
+        horizon: float,
+        first_decision: float | None,
+    ) -> None:
+        """Record a burst if ``needed`` rose from the last horizon's low point by
+        ``burst_ratio`` and ``burst_min_step``, its demand beyond the noise."""
+        policy = self.settings
         # The low point must be a need judged after one horizon on the model: over
         # the planner's first horizon the load estimate's window and the fleet's
         # batches are still filling, and the need rising with them is its own
@@ -249,40 +294,53 @@ class BurstMemory:
         first = first_decision if first_decision is not None else now
         warmed = first + horizon
         before = [r for r in self._needs if r.time >= max(now - horizon, warmed)]
+        if not before:
+            return
         # The low point: the latest of the lowest needs (the rise began after it).
-        at_low = max(before, key=lambda r: (-r.replicas, r.time)) if before else None
-        low = at_low.replicas if at_low is not None else needed
-        if (
-            at_low is not None
-            and needed - low >= policy.burst_min_step
+        at_low = max(before, key=lambda r: (-r.replicas, r.time))
+        low = at_low.replicas
+        if not (
+            needed - low >= policy.burst_min_step
             and needed >= policy.burst_ratio * max(low, 1)
             # A need that jumps while the arrivals and their prompt tokens did not
             # rise beyond the windows' sampling noise is a few long prompts in one
             # window; keeping its peak would hold capacity no burst asked for.
             and demand_rise_z(at_low.load, load) >= policy.burst_min_z
         ):
-            # Since the last burst still remembered (None: none, or it faded).
-            last = self._last_burst
-            since_last = None if last is None or self._faded_at is not None else now - last
-            new_burst = since_last is None or since_last > horizon
-            # A burst within the memory of the last one extends it: a smaller burst
-            # must not erase a bigger one's peak, which stays until it is
-            # burst_memory_s old (on bursty code a 4-replica burst replaced a
-            # 13-replica memory, the fleet walked down to 6 and the next cluster met
-            # it: 99.18% -> 99.57% attainment for 2.3% more GPU-hours).
-            if since_last is None or since_last > policy.burst_memory_s:
-                self._burst_began = at_low.time
-            self._last_burst = now
-            self._latest_began = at_low.time
-            self._down_since = None
-            self._fall_judged = False
-            self._faded_at = None
-            if new_burst:
-                # Its beat: when the need crossed halfway up. The low point's time
-                # wanders with the noise of the need before the burst (3, 4, 3...),
-                # by up to a horizon; the halfway crossing is where the rise is steep.
-                halfway = min(r.time for r in before if 2 * r.replicas >= low + needed)
-                self._recurrence.burst_began(halfway, needed)
+            return
+        # Since the last burst still remembered (None: none, or it faded).
+        last = self._last_burst
+        since_last = None if last is None or self._faded_at is not None else now - last
+        # A burst within the memory of the last one extends it: a smaller burst
+        # must not erase a bigger one's peak, which stays until it is
+        # burst_memory_s old (on bursty code a 4-replica burst replaced a
+        # 13-replica memory, the fleet walked down to 6 and the next cluster met
+        # it: 99.18% -> 99.57% attainment for 2.3% more GPU-hours).
+        if since_last is None or since_last > policy.burst_memory_s:
+            self._burst_began = at_low.time
+        self._last_burst = now
+        self._latest_began = at_low.time
+        self._down_since = None
+        self._fall_judged = False
+        self._faded_at = None
+        if since_last is None or since_last > horizon:
+            # A new burst's beat: when the need crossed halfway up. The low point's
+            # time wanders with the noise of the need before the burst (3, 4,
+            # 3...), by up to a horizon; the halfway crossing is where the rise is
+            # steep.
+            halfway = min(r.time for r in before if 2 * r.replicas >= low + needed)
+            self._recurrence.burst_began(halfway, needed)
+
+    def _kept_peak(
+        self,
+        now: float,
+        load: LoadEstimate,
+        size: Callable[[LoadEstimate], int],
+        keep: float,
+        horizon: float,
+    ) -> _KeptPeak:
+        """The remembered bursts' peak, sized as the model and the fleet are now,
+        and how long ago the latest burst was seen (and let go, if it faded)."""
         age = math.inf if self._last_burst is None else now - self._last_burst
         # The latest burst is within the memory's reach (kept, or judged faded).
         remembered = age <= keep
@@ -299,39 +357,28 @@ class BurstMemory:
             peak = size(with_fleet_of(top.load, load))
             # The burst's peak, for the next one of a period (even without a memory).
             self._recurrence.burst_need(peak)
-            if age <= policy.burst_memory_s:
+            if age <= self.settings.burst_memory_s:
                 memory = peak
-        recurring = self._recurrence.expected(now)
-        onsets = tuple(self._recurrence.onsets())
+        return _KeptPeak(memory, remembered, seen, faded)
 
-        def floor(value: int, prepared: RecurringBurst | None) -> BurstFloor:
-            if prepared is not None:
-                reason = _recurring_words(prepared, now)
-            elif faded is not None and remembered:
-                reason = (
-                    f"the burst seen {seen:.0f}s ago faded over longer than a pod "
-                    f"start-up ({faded:.0f}s ago): a level that went, not a burst that "
-                    "may come back as fast, so its peak is not kept"
-                )
-            elif value and seen is not None:
-                reason = (
-                    f"a burst faster than pod start-up was seen {seen:.0f}s ago; the "
-                    f"highest demand of the bursts in the last {policy.burst_memory_s:.0f}s "
-                    f"(needing {value} as the model is now) is kept"
-                )
-            else:
-                reason = "no burst to prepare for"
-            return BurstFloor(value, prepared, seen, faded, onsets, recurring, reason)
-
-        if recurring is None:
-            return floor(memory, None)
-        lead = horizon + max(recurring.jitter_s, policy.lookahead_extra_s)
-        due_soon = now >= recurring.next_onset - lead
-        if recurring.confirmed:
-            return floor(recurring.peak_need, recurring) if due_soon else floor(0, None)
-        # A tentative period (one gap): prepare for the next burst, which costs a
-        # start-up's worth of capacity if it does not come, but keep the memory:
-        # one gap says nothing of what comes in between.
-        if due_soon and recurring.peak_need > memory:
-            return floor(recurring.peak_need, recurring)
-        return floor(memory, None)
+    def _floor_words(
+        self, now: float, kept: _KeptPeak, value: int, prepared: RecurringBurst | None
+    ) -> str:
+        """Why the floor is ``value`` (for the recurring burst ``prepared``, if so)."""
+        seen, faded = kept.seen_s_ago, kept.faded_s_ago
+        if prepared is not None:
+            return _recurring_words(prepared, now)
+        if faded is not None and kept.remembered:
+            return (
+                f"the burst seen {seen:.0f}s ago faded over longer than a pod "
+                f"start-up ({faded:.0f}s ago): a level that went, not a burst that "
+                "may come back as fast, so its peak is not kept"
+            )
+        if value and seen is not None:
+            return (
+                f"a burst faster than pod start-up was seen {seen:.0f}s ago; the "
+                f"highest demand of the bursts in the last "
+                f"{self.settings.burst_memory_s:.0f}s "
+                f"(needing {value} as the model is now) is kept"
+            )
+        return "no burst to prepare for"
