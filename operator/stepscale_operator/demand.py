@@ -124,6 +124,14 @@ def settled_mean(
     return usual_mean + gap * kept
 
 
+def _until_capacity_s(inputs: PlannerInputs, now: float) -> float:
+    """Seconds until added capacity serves: the first starting pod's remaining
+    start-up, or a whole one when none is starting (the pods this decision adds)."""
+    startup = max(inputs.pod_startup_s, 0.0)
+    remaining = [startup - (now - began) for began in inputs.replicas.starting_since]
+    return max(min(remaining), 0.0) if remaining else startup
+
+
 class DemandStage:
     """Turns each decision's load estimate into a :class:`Demand`, keeping the short
     histories the look-ahead and the mix memory need."""
@@ -142,7 +150,7 @@ class DemandStage:
         policy = self.policy
         assert inputs.load is not None
         horizon = inputs.pod_startup_s + policy.lookahead_extra_s
-        backlog = self._backlog(inputs)
+        backlog = self._backlog(inputs, now)
         measured = with_demand(self._with_usual_shape(inputs.load, now), backlog.ratio)
         if backlog.ratio < 1.0:
             # Draining a backlog: the served rate rises as the queue empties, and
@@ -290,13 +298,16 @@ class DemandStage:
         slope = sum((t - mean_t) * (r - mean_r) for t, r in zip(times, rates, strict=True)) / spread
         return 1.0 + max(slope, 0.0) * horizon / rate
 
-    def _backlog(self, inputs: PlannerInputs) -> _Backlog:
+    def _backlog(self, inputs: PlannerInputs, now: float) -> _Backlog:
         """Demand ratio (arrivals over served) and replicas to drain the queue.
 
         Mass balance over the load estimate's window: arrivals = served + the
         queue's growth, both measured over the same window (the estimator's
         end-to-end queue change). A growing queue means the fleet is behind; a
         shrinking one means it is draining a backlog, and serves more than arrives.
+        While the fleet is behind, the queue to drain is the one the coming
+        capacity meets: today's, grown at today's rate until the first pod
+        starting (or one this decision adds) serves.
         """
         policy = self.policy
         load = inputs.load
@@ -318,6 +329,7 @@ class DemandStage:
         if per_ready > 0.0:
             free_at = min(free_at, math.ceil(queued / per_ready))
         ratio = 1.0
+        met = queued  # the queue the coming capacity meets
         # Only a queue (now or of late) past the trigger means the fleet is or was
         # behind; below it, queue changes are the noise of normal batching.
         if waiting > ready and recent > per_ready * ready and served > 0.0:
@@ -326,10 +338,16 @@ class DemandStage:
             # the window's: react to it (rises only; a drain is judged on the window).
             ratio = max(ratio, load.prefill_demand_tokens_per_s_recent / served)
             ratio = min(max(ratio, 1.0 / policy.max_demand_ratio), policy.max_demand_ratio)
+            # Sized on today's queue, the drain replicas arrive to a queue a
+            # start-up's growth larger (a step from 40 to 80 requests a second on
+            # 3 replicas: a minute of it is 2,800 requests, drained at 40 a second
+            # by the 8 replicas asked for today's).
+            growing = max(growth, load.prefill_demand_tokens_per_s_recent - served, 0.0)
+            met = queued + growing * _until_capacity_s(inputs, now)
         drain_s = policy.backlog_drain_s or max(inputs.pod_startup_s, 1.0)
         drain = 0
-        if queued > 0.0 and per_replica > 0.0:
-            drain = min(math.ceil(queued / (per_replica * drain_s)), policy.max_surge)
+        if met > 0.0 and per_replica > 0.0:
+            drain = min(math.ceil(met / (per_replica * drain_s)), policy.max_surge)
         # A backlog now is one at the serving count: fewer serve than ``free_at``.
         extra = drain if ready < free_at else 0
         return _Backlog(ratio, extra, drain, free_at, queued, growth)
