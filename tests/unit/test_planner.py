@@ -19,6 +19,7 @@ from stepscale_operator.latency_model import (
     PerReplicaLoad,
     SloTargets,
     predict_latency,
+    prefill_tokens_per_s,
     replica_dispersion_at,
     smallest_replicas_within_slo,
 )
@@ -446,6 +447,34 @@ def test_a_step_in_arrivals_is_sized_from_the_newest_seconds() -> None:
     )
     drained = Planner().decide(inputs_for(draining, base, now=0.0), now=0.0)
     assert drained.inputs["demand_ratio"] == pytest.approx(40.0 / 60.0)
+
+
+def test_the_drain_is_sized_on_the_queue_the_coming_pods_meet() -> None:
+    # A step from 40 to 80 req/s on a fleet that serves 40: the queue grows by 40
+    # prompts a second. Replicas asked for now serve one start-up (60 s) later,
+    # when the queue is 2,400 prompts longer than today's 120: the drain is sized
+    # on that. Once pods are starting, the queue grows only until the first serves.
+    per_replica = prefill_tokens_per_s(LinearStepTime(), ENGINE)
+    base = needed_for(load_of(40.0))
+    step = replace(
+        load_of(40.0, queued=120.0),
+        queued_prefill_tokens_change_per_s=10_000.0,
+        prefill_demand_tokens_per_s_recent=80_000.0,
+    )
+
+    def drain(starting: tuple[float, ...]) -> int:
+        decision = Planner().decide(inputs_for(step, base, now=100.0, starting=starting), 100.0)
+        extra = decision.inputs["backlog_replicas"]
+        assert isinstance(extra, int)
+        return extra
+
+    def replicas_for(queued_tokens: float) -> int:
+        return min(math.ceil(queued_tokens / (per_replica * 60.0)), PlannerPolicy().max_surge)
+
+    today = 120_000.0
+    assert drain(()) == replicas_for(today + 40_000.0 * 60.0) > replicas_for(today)
+    # The first of the starting pods serves in 10 s.
+    assert drain((50.0, 90.0)) == replicas_for(today + 40_000.0 * 10.0)
 
 
 def test_no_scale_down_before_the_initial_hold() -> None:
