@@ -124,11 +124,17 @@ def settled_mean(
     return usual_mean + gap * kept
 
 
-def _until_capacity_s(inputs: PlannerInputs, now: float) -> float:
+def _until_capacity_s(inputs: PlannerInputs, now: float, starting_timeout_s: float) -> float:
     """Seconds until added capacity serves: the first starting pod's remaining
-    start-up, or a whole one when none is starting (the pods this decision adds)."""
+    start-up, or a whole one when none is starting (the pods this decision adds).
+    A pod starting for longer than ``starting_timeout_s`` is not coming, as the
+    planner counts it elsewhere."""
     startup = max(inputs.pod_startup_s, 0.0)
-    remaining = [startup - (now - began) for began in inputs.replicas.starting_since]
+    remaining = [
+        startup - (now - began)
+        for began in inputs.replicas.starting_since
+        if now - began <= starting_timeout_s
+    ]
     return max(min(remaining), 0.0) if remaining else startup
 
 
@@ -343,7 +349,7 @@ class DemandStage:
             # what the first pods meet; attainment 92.75% -> 93.89% at the same
             # GPU-hours).
             growing = max(growth, load.prefill_demand_tokens_per_s_recent - served, 0.0)
-            met = queued + growing * _until_capacity_s(inputs, now)
+            met = queued + growing * _until_capacity_s(inputs, now, policy.starting_timeout_s)
         drain_s = policy.backlog_drain_s or max(inputs.pod_startup_s, 1.0)
         drain = 0
         if met > 0.0 and per_replica > 0.0:

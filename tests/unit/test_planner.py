@@ -475,6 +475,8 @@ def test_the_drain_is_sized_on_the_queue_the_coming_pods_meet() -> None:
     assert drain(()) == replicas_for(today + 40_000.0 * 60.0) > replicas_for(today)
     # The first of the starting pods serves in 10 s.
     assert drain((50.0, 90.0)) == replicas_for(today + 40_000.0 * 10.0)
+    # A pod starting for longer than the planner believes (600 s) is not coming.
+    assert drain((-600.0,)) == drain(())
 
 
 def test_no_scale_down_before_the_initial_hold() -> None:
