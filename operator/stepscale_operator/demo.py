@@ -47,7 +47,7 @@ from stepscale_operator.local_engine import (
     MAX_PROMPT_TOKENS,
     LocalEngine,
 )
-from stepscale_operator.scale_verdict import scale_down_pause_s
+from stepscale_operator.scale_verdict import scale_down_pause_s, stabilization_span_s
 from stepscale_operator.simulator.traffic import TraceError, Traffic, load_trace, phased
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -252,7 +252,8 @@ def wind_down_s(spec: VllmDeploymentSpec, peak: int) -> float:
     policy = planner_policy(spec)
     sizes = range(peak, 1, -max(1, policy.scale_down_step))
     steps_s = sum(scale_down_pause_s(policy, size) for size in sizes)
-    window_s = spec.autoscaling.load_window_s + policy.scale_down_stabilization_s
+    span_s = stabilization_span_s(policy, spec.autoscaling.startup_s)
+    window_s = spec.autoscaling.load_window_s + span_s
     return window_s + steps_s + 2.0 * spec.autoscaling.interval_s + WIND_DOWN_SLACK_S
 
 

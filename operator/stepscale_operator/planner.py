@@ -103,7 +103,7 @@ class Planner:
         policy = self.policy
         fleet = self._fleet(inputs, now)
         record = self._base_record(inputs, fleet, now)
-        self._window.observe_fleet(now, fleet)
+        self._window.observe_fleet(now, fleet, inputs.pod_startup_s)
         if fleet.total > fleet.high:
             return self._clamp_to_max(inputs, now, fleet, record)
         stale_reason = self._stale_reason(inputs, now)

@@ -2,10 +2,11 @@
 
 Scale-up aims for the floored need at once (within ``max_surge`` and the spec's
 bounds). Scale-down removes at most ``scale_down_step`` replicas, and only once
-every recommendation of the stabilization window allows it (and the planner has
-decided for ``initial_hold_s``): survivors must carry the measured load within the
-SLO less the margin plus hysteresis. The window remembers the measured floors, not
-the look-ahead's needs. Pure and deterministic.
+every recommendation of the stabilization window (at least a pod start-up long)
+allows it and the planner has decided for ``initial_hold_s``: survivors must
+carry the measured load within the SLO less the margin plus hysteresis. The
+window remembers the measured floors, not the look-ahead's needs. Pure and
+deterministic.
 """
 
 from __future__ import annotations
@@ -26,6 +27,20 @@ from stepscale_operator.planner_stages import (
 )
 
 
+def stabilization_span_s(policy: PlannerPolicy, pod_startup_s: float) -> float:
+    """How far back scale-down looks: ``scale_down_stabilization_s``, or one look-ahead
+    horizon (a pod start-up plus a decision period) where that is longer.
+
+    The pods a recommendation asks for serve one start-up after it. A shorter
+    window lets a scale-down undo a scale-up before the fleet has run at the size
+    it asked for, and the pod added back takes a whole start-up again (pods that
+    start in 180 s, the shared trace: 10 -> 9 replicas with 7 serving and the
+    load still rising, then 9 -> 10 again 15 s later).
+    """
+    horizon = max(pod_startup_s, 0.0) + policy.lookahead_extra_s
+    return max(policy.scale_down_stabilization_s, horizon)
+
+
 @dataclass
 class _Recommendation:
     time: float
@@ -33,11 +48,12 @@ class _Recommendation:
 
 
 class StabilizationWindow:
-    """The recommendations of the last ``scale_down_stabilization_s``, and since when the
-    planner has judged the load (scale-down waits for both)."""
+    """The recommendations of the window's span (:func:`stabilization_span_s`), and
+    since when the planner has judged the load (scale-down waits for both)."""
 
     def __init__(self, policy: PlannerPolicy) -> None:
         self.policy = policy
+        self.span_s = policy.scale_down_stabilization_s
         self._history: list[_Recommendation] = []
         self.first_decision_time: float | None = None
         self._fleet: tuple[int, int] | None = None  # (ready, starting) last seen
@@ -49,8 +65,10 @@ class StabilizationWindow:
         if self.first_decision_time is None:
             self.first_decision_time = now
 
-    def observe_fleet(self, now: float, fleet: FleetNow) -> None:
-        """Note the fleet each decision sees: a change restarts its settling time."""
+    def observe_fleet(self, now: float, fleet: FleetNow, pod_startup_s: float) -> None:
+        """Note the fleet each decision sees (a change restarts its settling time) and
+        how long its pods take to start (the window spans at least that horizon)."""
+        self.span_s = stabilization_span_s(self.policy, pod_startup_s)
         key = (fleet.ready, fleet.starting)
         if key != self._fleet:
             # The fleet as first seen was not changed by this planner: settled.
@@ -64,8 +82,8 @@ class StabilizationWindow:
     def remember(self, now: float, replicas: int) -> None:
         """One decision's recommendation; older ones than the window are dropped."""
         self._history.append(_Recommendation(now, replicas))
-        horizon = now - self.policy.scale_down_stabilization_s
-        self._history = [r for r in self._history if r.time >= horizon]
+        oldest = now - self.span_s
+        self._history = [r for r in self._history if r.time >= oldest]
 
     def highest(self) -> int:
         """The highest recommendation in the window (0: none yet)."""
@@ -184,7 +202,7 @@ def scale_down_or_hold(
             f"scale down {total} -> {desired}: the measured load split over {n_after} "
             f"replicas (now {fleet.ready} serving) is predicted within the SLO "
             f"less {need.margin + policy.hysteresis:.0%}, for the whole "
-            f"{policy.scale_down_stabilization_s:.0f}s stabilization window"
+            f"{window.span_s:.0f}s stabilization window"
         )
         return Verdict(desired, why, "measured", n_after)
     held_by_burst = floors.load_floor < total <= bursts.floor + fleet.timed_out
@@ -204,7 +222,7 @@ def scale_down_or_hold(
     elif candidate < total:
         why = (
             f"hold: {candidate} would do, but scale-down waits for the "
-            f"{policy.scale_down_stabilization_s:.0f}s stabilization window "
+            f"{window.span_s:.0f}s stabilization window "
             f"(highest recent recommendation {stabilised})"
         )
     elif floors.for_backlog:
