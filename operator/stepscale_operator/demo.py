@@ -252,7 +252,8 @@ def wind_down_s(spec: VllmDeploymentSpec, peak: int) -> float:
     policy = planner_policy(spec)
     sizes = range(peak, 1, -max(1, policy.scale_down_step))
     steps_s = sum(scale_down_pause_s(policy, size) for size in sizes)
-    span_s = stabilization_span_s(policy, spec.autoscaling.startup_s)
+    # The demo's added replicas never become ready: they are starting all along.
+    span_s = stabilization_span_s(policy, spec.autoscaling.startup_s, starting=peak - 1)
     window_s = spec.autoscaling.load_window_s + span_s
     return window_s + steps_s + 2.0 * spec.autoscaling.interval_s + WIND_DOWN_SLACK_S
 

@@ -33,8 +33,8 @@ class PlannerPolicy:
     # already requires the survivors within the SLO less margin plus hysteresis on
     # the heavier request mix, so a shorter window suffices (Azure trace: 300 s held
     # ~2 replicas above the oracle through the whole peak, 1.28x vs 1.13x its
-    # GPU-hours, at 99.8% vs 99.6% attainment). The window spans at least one pod
-    # start-up plus a decision period (see scale_verdict.stabilization_span_s).
+    # GPU-hours, at 99.8% vs 99.6% attainment). While pods are starting, the window
+    # spans at least one start-up plus a decision period (scale_verdict.stabilization_span_s).
     scale_down_stabilization_s: float = 120.0
     # A planner that has just started has not seen how the load varies: no scale-down
     # before it has decided for this long (with 120 s from the start, the Azure

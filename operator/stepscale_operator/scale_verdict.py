@@ -27,16 +27,21 @@ from stepscale_operator.planner_stages import (
 )
 
 
-def stabilization_span_s(policy: PlannerPolicy, pod_startup_s: float) -> float:
-    """How far back scale-down looks: ``scale_down_stabilization_s``, or one look-ahead
-    horizon (a pod start-up plus a decision period) where that is longer.
+def stabilization_span_s(policy: PlannerPolicy, pod_startup_s: float, starting: int) -> float:
+    """How far back scale-down looks: ``scale_down_stabilization_s``; while pods are
+    starting, one look-ahead horizon (a pod start-up plus a decision period) where
+    that is longer.
 
     The pods a recommendation asks for serve one start-up after it. A shorter
-    window lets a scale-down undo a scale-up before the fleet has run at the size
-    it asked for, and the pod added back takes a whole start-up again (pods that
-    start in 180 s, the shared trace: 10 -> 9 replicas with 7 serving and the
-    load still rising, then 9 -> 10 again 15 s later).
+    window lets a scale-down undo a scale-up before its pods have served, and the
+    pod added back takes a whole start-up again (pods that start in 180 s, the
+    shared trace: 10 -> 9 replicas with 7 serving and the load still rising, then
+    9 -> 10 again 15 s later). Once no pod is starting, the fleet serves at the
+    size it was asked for and the usual window applies: held for a horizon
+    regardless, a slow fall (diurnal) kept its replicas longer for nothing.
     """
+    if starting <= 0:
+        return policy.scale_down_stabilization_s
     horizon = max(pod_startup_s, 0.0) + policy.lookahead_extra_s
     return max(policy.scale_down_stabilization_s, horizon)
 
@@ -54,6 +59,8 @@ class StabilizationWindow:
     def __init__(self, policy: PlannerPolicy) -> None:
         self.policy = policy
         self.span_s = policy.scale_down_stabilization_s
+        self._keep_s = policy.scale_down_stabilization_s  # the longest span it may need
+        self._now = -math.inf  # the latest decision's time
         self._history: list[_Recommendation] = []
         self.first_decision_time: float | None = None
         self._fleet: tuple[int, int] | None = None  # (ready, starting) last seen
@@ -67,8 +74,10 @@ class StabilizationWindow:
 
     def observe_fleet(self, now: float, fleet: FleetNow, pod_startup_s: float) -> None:
         """Note the fleet each decision sees (a change restarts its settling time) and
-        how long its pods take to start (the window spans at least that horizon)."""
-        self.span_s = stabilization_span_s(self.policy, pod_startup_s)
+        how long its pods take to start (while some are, the window spans at least
+        that horizon)."""
+        self.span_s = stabilization_span_s(self.policy, pod_startup_s, fleet.starting)
+        self._keep_s = stabilization_span_s(self.policy, pod_startup_s, 1)
         key = (fleet.ready, fleet.starting)
         if key != self._fleet:
             # The fleet as first seen was not changed by this planner: settled.
@@ -82,12 +91,14 @@ class StabilizationWindow:
     def remember(self, now: float, replicas: int) -> None:
         """One decision's recommendation; older ones than the window are dropped."""
         self._history.append(_Recommendation(now, replicas))
-        oldest = now - self.span_s
+        self._now = now
+        oldest = now - self._keep_s
         self._history = [r for r in self._history if r.time >= oldest]
 
     def highest(self) -> int:
         """The highest recommendation in the window (0: none yet)."""
-        return max((r.replicas for r in self._history), default=0)
+        oldest = self._now - self.span_s
+        return max((r.replicas for r in self._history if r.time >= oldest), default=0)
 
     def covered(self, now: float) -> bool:
         """Whether the planner has judged the load for a whole window (and the initial hold)."""

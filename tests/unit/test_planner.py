@@ -321,14 +321,15 @@ def test_a_recent_peak_blocks_scale_down_for_the_window() -> None:
     assert later.action == "scale_down" and later.desired_replicas == peak_floor - 1
 
 
-def test_the_window_spans_a_pod_start_up_so_scale_down_never_undoes_unserved_pods() -> None:
+def test_while_pods_start_the_window_spans_a_start_up_so_scale_down_never_undoes_them() -> None:
     """Pods that start slower than the stabilization window: a scale-down judged
     before the pods of the last scale-up have served would undo it unmeasured, and
-    the pod added back takes a whole start-up again."""
+    the pod added back takes a whole start-up again. Once they serve, the usual
+    window applies."""
     policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=100.0)
     low, high = load_of(10.0), load_of(120.0)
 
-    def first_scale_down(pod_startup_s: float) -> float:
+    def first_scale_down(pod_startup_s: float) -> tuple[float, str]:
         planner = Planner(policy)
         start = needed_for(low, policy)
         planner.decide(inputs_for(low, start, now=0.0, pod_startup_s=pod_startup_s), now=0.0)
@@ -337,20 +338,30 @@ def test_the_window_spans_a_pod_start_up_so_scale_down_never_undoes_unserved_pod
         )
         assert peak.action == "scale_up"
         total = peak.desired_replicas
-        for t in range(160, 600, 10):
-            inputs = inputs_for(low, total, now=t, pod_startup_s=pod_startup_s)
+        for t in range(160, 800, 10):
+            # The peak's pods start until one start-up after it, then serve.
+            starting = total - start if t < 150.0 + pod_startup_s else 0
+            inputs = inputs_for(
+                low,
+                total - starting,
+                now=t,
+                starting=(150.0,) * starting,
+                pod_startup_s=pod_startup_s,
+            )
             d = planner.decide(inputs, now=t)
             if d.action == "scale_down":
-                assert f"{max(100.0, pod_startup_s + 10.0):.0f}s stabilization window" in d.reason
-                return t - 150.0
+                return t - 150.0, d.reason
             total = d.desired_replicas
         raise AssertionError("never scaled down")
 
     # Pods that start within the window: the window alone (100 s after the peak).
-    assert first_scale_down(60.0) == 110.0
-    # Pods that start in 240 s: the peak is remembered for one start-up plus a
-    # decision period, 250 s.
-    assert first_scale_down(240.0) == 260.0
+    after, reason = first_scale_down(60.0)
+    assert after == 110.0 and "100s stabilization window" in reason
+    # Pods that start in 240 s: while they start the peak is remembered for one
+    # start-up plus a decision period (250 s); once they serve, the usual window
+    # has long passed, and scale-down waits only for the fleet to settle (30 s).
+    after, reason = first_scale_down(240.0)
+    assert after == 270.0 and "100s stabilization window" in reason
 
 
 def test_no_flapping_under_steady_noisy_load() -> None:
@@ -571,11 +582,10 @@ def test_a_burst_faster_than_startup_keeps_its_peak_for_the_burst_memory() -> No
         total = d.desired_replicas
         t += 10.0
     assert "burst" in d.reason and total == held
-    # Then the usual stabilization window (here one look-ahead horizon, 70 s, which
-    # is the longer), and scale-down resumes.
+    # Then the usual stabilization window, and scale-down resumes.
     actions = [
         planner.decide(inputs_for(low, total, now=t + k), now=t + k).action
-        for k in range(0, 90, 10)
+        for k in range(0, 80, 10)
     ]
     assert actions[-1] == "scale_down"
     # A slow ramp of the same size is not a burst: normal stabilization applies.
