@@ -2,11 +2,11 @@
 
 Scale-up aims for the floored need at once (within ``max_surge`` and the spec's
 bounds). Scale-down removes at most ``scale_down_step`` replicas, and only once
-every recommendation of the stabilization window (at least a pod start-up long)
-allows it and the planner has decided for ``initial_hold_s``: survivors must
-carry the measured load within the SLO less the margin plus hysteresis. The
-window remembers the measured floors, not the look-ahead's needs. Pure and
-deterministic.
+every recommendation of the stabilization window (while pods start, at least a
+start-up long) allows it and the planner has decided for ``initial_hold_s``:
+survivors must carry the measured load within the SLO less the margin plus
+hysteresis. The window remembers the measured floors, not the look-ahead's
+needs. Pure and deterministic.
 """
 
 from __future__ import annotations
