@@ -155,7 +155,7 @@ class DemandStage:
         """The served load corrected by the queue's growth, and the load one horizon ahead."""
         policy = self.policy
         assert inputs.load is not None
-        horizon = inputs.pod_startup_s + policy.lookahead_extra_s
+        horizon = policy.lookahead_horizon_s(inputs.pod_startup_s)
         backlog = self._backlog(inputs, now)
         measured = with_demand(self._with_usual_shape(inputs.load, now), backlog.ratio)
         if backlog.ratio < 1.0:

@@ -136,3 +136,8 @@ class PlannerPolicy:
     recurring_bursts: int = 3
     burst_period_tolerance: float = 0.1
     advisory: bool = False  # decide and explain, but change nothing
+
+    def lookahead_horizon_s(self, pod_startup_s: float) -> float:
+        """How far ahead the planner looks: a pod start-up plus a decision period,
+        when what it asks for now serves and has been measured once."""
+        return max(pod_startup_s, 0.0) + self.lookahead_extra_s

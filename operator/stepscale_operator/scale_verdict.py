@@ -42,8 +42,7 @@ def stabilization_span_s(policy: PlannerPolicy, pod_startup_s: float, starting: 
     """
     if starting <= 0:
         return policy.scale_down_stabilization_s
-    horizon = max(pod_startup_s, 0.0) + policy.lookahead_extra_s
-    return max(policy.scale_down_stabilization_s, horizon)
+    return max(policy.scale_down_stabilization_s, policy.lookahead_horizon_s(pod_startup_s))
 
 
 @dataclass
@@ -60,7 +59,6 @@ class StabilizationWindow:
         self.policy = policy
         self.span_s = policy.scale_down_stabilization_s
         self._keep_s = policy.scale_down_stabilization_s  # the longest span it may need
-        self._now = -math.inf  # the latest decision's time
         self._history: list[_Recommendation] = []
         self.first_decision_time: float | None = None
         self._fleet: tuple[int, int] | None = None  # (ready, starting) last seen
@@ -91,14 +89,15 @@ class StabilizationWindow:
     def remember(self, now: float, replicas: int) -> None:
         """One decision's recommendation; older ones than the window are dropped."""
         self._history.append(_Recommendation(now, replicas))
-        self._now = now
         oldest = now - self._keep_s
         self._history = [r for r in self._history if r.time >= oldest]
 
     def highest(self) -> int:
         """The highest recommendation in the window (0: none yet)."""
-        oldest = self._now - self.span_s
-        return max((r.replicas for r in self._history if r.time >= oldest), default=0)
+        if not self._history:
+            return 0
+        oldest = self._history[-1].time - self.span_s
+        return max(r.replicas for r in self._history if r.time >= oldest)
 
     def covered(self, now: float) -> bool:
         """Whether the planner has judged the load for a whole window (and the initial hold)."""
