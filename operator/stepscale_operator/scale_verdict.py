@@ -74,7 +74,10 @@ class StabilizationWindow:
         """Note the fleet each decision sees (a change restarts its settling time) and
         how long its pods take to start (while some are, the window spans at least
         that horizon)."""
-        self.span_s = stabilization_span_s(self.policy, pod_startup_s, fleet.starting)
+        # A pod stuck starting past ``starting_timeout_s`` is not coming (the planner
+        # replaces it): it does not hold the window open.
+        coming = fleet.starting - fleet.timed_out
+        self.span_s = stabilization_span_s(self.policy, pod_startup_s, coming)
         self._keep_s = stabilization_span_s(self.policy, pod_startup_s, 1)
         key = (fleet.ready, fleet.starting)
         if key != self._fleet:

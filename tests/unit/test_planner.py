@@ -364,6 +364,19 @@ def test_while_pods_start_the_window_spans_a_start_up_so_scale_down_never_undoes
     assert after == 270.0 and "100s stabilization window" in reason
 
 
+def test_a_pod_stuck_starting_does_not_hold_the_window_open() -> None:
+    from stepscale_operator.planner_stages import FleetNow
+    from stepscale_operator.scale_verdict import StabilizationWindow
+
+    window = StabilizationWindow(PlannerPolicy(scale_down_stabilization_s=100.0))
+    window.observe_fleet(0.0, FleetNow(5, 1, 0, 1, 10), pod_startup_s=240.0)
+    assert window.span_s == 250.0  # a pod on its way: one start-up plus a decision
+    window.observe_fleet(5.0, FleetNow(5, 1, 1, 1, 10), pod_startup_s=240.0)
+    assert window.span_s == 100.0  # stuck past the timeout: not coming
+    window.observe_fleet(10.0, FleetNow(6, 0, 0, 1, 10), pod_startup_s=240.0)
+    assert window.span_s == 100.0
+
+
 def test_no_flapping_under_steady_noisy_load() -> None:
     rng = random.Random(7)
     planner = Planner(PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0))
