@@ -7,8 +7,10 @@ backlog drains, when the served rate overstates the arrivals and its rise is not
 extrapolated), and the replicas that drain the queue within one start-up time are
 added. The look-ahead raises the planned load only as far as the trend persisted
 over the last few decisions and as far as the demand's slope over the last two
-minutes supports it, capped. Scale-down judges the survivors on the measured request
-rate at the heavier of its own request mix and the mean mix over ``mix_memory_s``.
+minutes supports it, capped; and never below a headroom that grows with the pod
+start-up as far as the demand's own rises grew with it (``lookahead_headroom``).
+Scale-down judges the survivors on the measured request rate at the heavier of its
+own request mix and the mean mix over ``mix_memory_s``.
 
 Pure and deterministic: the only state is the recent history these rules need.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from stepscale_operator.latency_model import prefill_tokens_per_s
 from stepscale_operator.load_types import LoadEstimate, bin_tokens_or_centres, prompt_bin_centers
+from stepscale_operator.lookahead_headroom import lookahead_headroom
 from stepscale_operator.planner_policy import PlannerPolicy
 from stepscale_operator.planner_stages import Demand, PlannerInputs
 
@@ -146,6 +149,9 @@ class DemandStage:
         self.policy = policy
         self._demand_history: list[tuple[float, float]] = []  # (time, measured demand rate)
         self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
+        # (time, measured demand rate) over ``headroom_history_s``, zero readings too
+        # (the long trend's above holds only positive ones, over ``trend_history_s``)
+        self._rise_history: list[tuple[float, float]] = []
         # (time, prefill tokens per request), for the mix memory
         self._mix: list[tuple[float, float]] = []
         # (time, prompt histogram, prompt tokens per bin, mean prompt), for the usual shape
@@ -166,9 +172,14 @@ class DemandStage:
                 prefill_tokens_per_s_trend=min(measured.prefill_tokens_per_s_trend, 0.0),
                 decode_tokens_per_s_trend=min(measured.decode_tokens_per_s_trend, 0.0),
             )
-        planned, forecast_ratio, long_ratio = self._persistent_forecast(measured, horizon, now)
+        headroom = self._headroom(measured, horizon, now)
+        planned, forecast_ratio, long_ratio = self._persistent_forecast(
+            measured, horizon, headroom, now
+        )
         survivors, mix_ratio = self._with_heavier_mix(measured, now)
         reason = f"the load {horizon:.0f}s ahead"
+        if headroom > max(policy.min_lookahead_ratio, 1.0):
+            reason += f" (at least {headroom:.2f}x today's, as it rose over {horizon:.0f}s)"
         return Demand(
             measured=measured,
             planned=planned,
@@ -182,15 +193,36 @@ class DemandStage:
             queue_growth_tokens_per_s=backlog.growth,
             forecast_ratio=forecast_ratio,
             long_trend_ratio=long_ratio,
+            headroom_ratio=headroom,
             mix_ratio=mix_ratio,
             reason=reason,
         )
 
+    def _headroom(self, measured: LoadEstimate, horizon: float, now: float) -> float:
+        """The least ratio the load is planned at over the measured one (see
+        :func:`lookahead_headroom`), from the measured demand's own history."""
+        policy = self.policy
+        rate = measured.prefill_tokens_per_s or measured.decode_tokens_per_s
+        self._rise_history.append((now, rate))
+        self._rise_history = [
+            h for h in self._rise_history if h[0] >= now - policy.headroom_history_s
+        ]
+        return lookahead_headroom(
+            self._rise_history,
+            horizon,
+            policy.headroom_reference_horizon_s,
+            policy.min_lookahead_ratio,
+            policy.max_forecast_ratio,
+            policy.headroom_rise_quantile,
+            policy.headroom_min_pairs,
+        )
+
     def _persistent_forecast(
-        self, measured: LoadEstimate, horizon: float, now: float
+        self, measured: LoadEstimate, horizon: float, floor: float, now: float
     ) -> tuple[LoadEstimate, float, float | None]:
-        """The trend forecast, raised only as far as it held over the persistence window;
-        with the ratio it raised the load by and the long trend's bound.
+        """The trend forecast, raised only as far as it held over the persistence window
+        and never below ``floor``; with the ratio it raised the load by and the long
+        trend's bound.
 
         A trend fitted on a 30 s window is noisy; one that persists for a few
         decisions is a ramp. Fast up (a persistent rise is followed at once),
@@ -207,7 +239,6 @@ class DemandStage:
         long_ratio = self._long_trend_ratio(base, horizon, now)
         if long_ratio is not None:
             held = min(held, long_ratio)
-        floor = max(policy.min_lookahead_ratio, 1.0)
         forecast_ratio = max(held, floor)
         if held >= ratio and ratio >= floor:
             return ahead, forecast_ratio, long_ratio

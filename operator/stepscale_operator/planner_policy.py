@@ -61,6 +61,15 @@ class PlannerPolicy:
     # start-up time (the scaled Azure trace moves 10-15% from one minute to the
     # next), so plan for at least this multiple of the measured load.
     min_lookahead_ratio: float = 1.1
+    # ... set at this horizon (60 s pods). Over a longer one the headroom grows as
+    # the measured demand's rises over ``headroom_history_s`` grew from that horizon
+    # to this one, read at this quantile (``lookahead_headroom.py``), up to
+    # ``max_forecast_ratio``; with fewer than ``headroom_min_pairs`` readings a
+    # horizon apart it stays at the floor.
+    headroom_reference_horizon_s: float = 70.0
+    headroom_rise_quantile: float = 0.9
+    headroom_history_s: float = 1800.0
+    headroom_min_pairs: int = 6
     latency_quantile: float = 0.99  # TTFT/ITL are planned at this quantile
     # Priors for a load estimate without a measured prompt-length distribution (a
     # stream too young, a hand-made estimate): the quantile prompt is this many

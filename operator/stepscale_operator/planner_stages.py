@@ -125,6 +125,7 @@ class Demand:
     queue_growth_tokens_per_s: float
     forecast_ratio: float
     long_trend_ratio: float | None
+    headroom_ratio: float  # the least forecast ratio at this horizon
     mix_ratio: float | None
     reason: str
 
@@ -143,6 +144,7 @@ class Demand:
             "backlog_free_at": self.backlog_free_at,
             "long_trend_ratio": self.long_trend_ratio,
             "forecast_ratio": self.forecast_ratio,
+            "headroom_ratio": self.headroom_ratio,
             "mix_ratio": self.mix_ratio,
             "planned_load": self.planned.to_dict(),
             "lookahead_s": self.horizon_s,

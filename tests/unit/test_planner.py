@@ -12,7 +12,7 @@ import pytest
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.burst_floor import BurstMemory
-from stepscale_operator.demand import with_fleet_of
+from stepscale_operator.demand import DemandStage, with_fleet_of
 from stepscale_operator.latency_model import (
     EngineLimits,
     LatencyPrediction,
@@ -36,7 +36,7 @@ from stepscale_operator.planner import (
     ReplicaCounts,
     forecast_load,
 )
-from stepscale_operator.planner_stages import BurstFloor
+from stepscale_operator.planner_stages import BurstFloor, Decision, Demand
 from stepscale_operator.router_pick import least_loaded_queue, prefill_exposure
 
 FLOOR_S = 0.006
@@ -987,6 +987,36 @@ def test_look_ahead_needs_the_rise_to_show_over_minutes_too() -> None:
     assert isinstance(long_ratio, float) and long_ratio > 1.2
     forecast = d.inputs["forecast_ratio"]
     assert isinstance(forecast, float) and forecast > PlannerPolicy().min_lookahead_ratio
+
+
+def test_slower_pods_plan_with_the_headroom_the_loads_own_rises_show() -> None:
+    # The same swinging demand (a ten-minute cycle of +-20%, no trend in any one
+    # window) seen by planners whose pods start in 60 s and in 180 s: the first
+    # keeps the fixed headroom; the second plans at the larger rises its history
+    # shows over 190 s than over 70 s, and says so in the decision's reason.
+    policy = PlannerPolicy()
+
+    def last_demand(pod_startup_s: float) -> tuple[Decision, Demand]:
+        planner, stage = Planner(policy), DemandStage(policy)
+        now = 0.0
+        for _ in range(120):
+            rate = 45.0 * (1.0 + 0.2 * math.sin(2.0 * math.pi * now / 600.0))
+            inputs = inputs_for(load_of(rate), 4, now=now, pod_startup_s=pod_startup_s)
+            d, demand = planner.decide(inputs, now=now), stage.demand(inputs, now)
+            now += 10.0
+        return d, demand
+
+    (fast, fast_demand), (slow, slow_demand) = last_demand(60.0), last_demand(180.0)
+    assert fast.inputs["headroom_ratio"] == policy.min_lookahead_ratio
+    assert fast_demand.reason == "the load 70s ahead"
+    headroom = slow.inputs["headroom_ratio"]
+    assert isinstance(headroom, float)
+    assert policy.min_lookahead_ratio < headroom <= policy.max_forecast_ratio
+    assert slow.inputs["forecast_ratio"] >= headroom
+    assert slow_demand.headroom_ratio == headroom
+    assert slow_demand.reason == (
+        f"the load 190s ahead (at least {headroom:.2f}x today's, as it rose over 190s)"
+    )
 
 
 # -- what scale-down and the burst memory remember ------------------------------------
