@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -510,6 +510,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip the shaped synthetic scenarios and the trace's other rate scales",
     )
     parser.add_argument("--shape-duration-s", type=float, default=1800.0)
+    parser.add_argument(
+        "--startup-s",
+        type=float,
+        default=None,
+        help="pod start-up time of every scenario (default: each scenario's own, 60 s)",
+    )
     parser.add_argument("--only", default="", help="comma-separated scenario names to run")
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args(argv)
@@ -551,6 +557,9 @@ def build_scenarios(args: argparse.Namespace) -> tuple[list[Scenario], Traffic |
     if args.only:
         wanted = set(args.only.split(","))
         scenarios = [sc for sc in scenarios if sc[0] in wanted]
+    if args.startup_s is not None:
+        startup = float(args.startup_s)
+        scenarios = [(name, t, replace(s, startup_s=startup)) for name, t, s in scenarios]
     return scenarios, raw_trace
 
 
