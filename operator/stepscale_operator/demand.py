@@ -147,11 +147,10 @@ class DemandStage:
 
     def __init__(self, policy: PlannerPolicy) -> None:
         self.policy = policy
-        self._demand_history: list[tuple[float, float]] = []  # (time, measured demand rate)
+        # (time, measured demand rate) of every decision, for the long trend and the
+        # headroom: over the longer of ``trend_history_s`` and ``headroom_history_s``
+        self._demand_history: list[tuple[float, float]] = []
         self._ratios: list[tuple[float, float]] = []  # (time, raw forecast ratio)
-        # (time, measured demand rate) over ``headroom_history_s``, zero readings too
-        # (the long trend's above holds only positive ones, over ``trend_history_s``)
-        self._rise_history: list[tuple[float, float]] = []
         # (time, prefill tokens per request), for the mix memory
         self._mix: list[tuple[float, float]] = []
         # (time, prompt histogram, prompt tokens per bin, mean prompt), for the usual shape
@@ -172,7 +171,8 @@ class DemandStage:
                 prefill_tokens_per_s_trend=min(measured.prefill_tokens_per_s_trend, 0.0),
                 decode_tokens_per_s_trend=min(measured.decode_tokens_per_s_trend, 0.0),
             )
-        headroom = self._headroom(measured, horizon, now)
+        self._record_demand(measured, now)
+        headroom = self._headroom(horizon, now)
         planned, forecast_ratio, long_ratio = self._persistent_forecast(
             measured, horizon, headroom, now
         )
@@ -198,17 +198,21 @@ class DemandStage:
             reason=reason,
         )
 
-    def _headroom(self, measured: LoadEstimate, horizon: float, now: float) -> float:
+    def _record_demand(self, measured: LoadEstimate, now: float) -> None:
+        """Keep this decision's measured demand rate for the long trend and the headroom."""
+        policy = self.policy
+        rate = measured.prefill_tokens_per_s or measured.decode_tokens_per_s
+        kept = max(policy.trend_history_s, policy.headroom_history_s)
+        self._demand_history.append((now, rate))
+        self._demand_history = [d for d in self._demand_history if d[0] >= now - kept]
+
+    def _headroom(self, horizon: float, now: float) -> float:
         """The least ratio the load is planned at over the measured one (see
         :func:`lookahead_headroom`), from the measured demand's own history."""
         policy = self.policy
-        rate = measured.prefill_tokens_per_s or measured.decode_tokens_per_s
-        self._rise_history.append((now, rate))
-        self._rise_history = [
-            h for h in self._rise_history if h[0] >= now - policy.headroom_history_s
-        ]
+        since = now - policy.headroom_history_s
         return lookahead_headroom(
-            self._rise_history,
+            [d for d in self._demand_history if d[0] >= since],
             horizon,
             policy.headroom_reference_horizon_s,
             policy.min_lookahead_ratio,
@@ -324,12 +328,12 @@ class DemandStage:
         span = self.policy.trend_history_s
         if span <= 0.0 or rate <= 0.0:
             return None
-        self._demand_history.append((now, rate))
-        self._demand_history = [d for d in self._demand_history if d[0] >= now - span]
-        if now - self._demand_history[0][0] < 0.5 * span or len(self._demand_history) < 3:
+        # The positive readings over the span (this decision's is the newest).
+        recent = [d for d in self._demand_history if d[0] >= now - span and d[1] > 0.0]
+        if now - recent[0][0] < 0.5 * span or len(recent) < 3:
             return None
-        times = [t for t, _ in self._demand_history]
-        rates = [r for _, r in self._demand_history]
+        times = [t for t, _ in recent]
+        rates = [r for _, r in recent]
         mean_t, mean_r = sum(times) / len(times), sum(rates) / len(rates)
         spread = sum((t - mean_t) ** 2 for t in times)
         slope = sum((t - mean_t) * (r - mean_r) for t, r in zip(times, rates, strict=True)) / spread
