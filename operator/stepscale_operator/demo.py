@@ -330,18 +330,22 @@ def _num(value: object, fmt: str = ".0f") -> str:
 
 
 def kubectl_table(status: Mapping[str, Any], name: str, age_s: float) -> str:
-    """What ``kubectl get vd`` prints for ``status`` (the CRD's printer columns)."""
-    current = (status.get("predictions") or {}).get("current") or {}
+    """What ``kubectl get vd`` prints for ``status`` (the CRD's printer columns): the
+    predicted p99 TTFT and ITL each beside the one the fleet realized."""
+    predictions = status.get("predictions") or {}
+    current = predictions.get("current") or {}
+    measured = predictions.get("measured") or {}
     cm = status.get("costModel") or {}
     mape = cm.get("mapePercent") if cm.get("ready") else None
     header = (
         f"{'NAME':<8}{'REPLICAS':>9}{'READY':>7}{'DESIRED':>9}"
-        f"{'TTFT':>9}{'ITL':>8}{'MAPE':>7}{'AGE':>7}"
+        f"{'TTFT':>9}{'TTFT-MEASURED':>15}{'ITL':>8}{'ITL-MEASURED':>14}{'MAPE':>7}{'AGE':>7}"
     )
     row = (
         f"{name:<8}{_num(status.get('replicas')):>9}{_num(status.get('readyReplicas')):>7}"
         f"{_num(status.get('desiredReplicas')):>9}{_ms(current.get('ttftMs')):>9}"
-        f"{_ms(current.get('itlMs')):>8}"
+        f"{_ms(measured.get('ttftMs')):>15}{_ms(current.get('itlMs')):>8}"
+        f"{_ms(measured.get('itlMs')):>14}"
         f"{(_num(mape) + '%' if mape is not None else '-'):>7}{age_s:>6.0f}s"
     )
     return header + "\n" + row
@@ -481,7 +485,9 @@ def _introduction(args: argparse.Namespace, spec: VllmDeploymentSpec) -> str:
             f"{DEMO_INITIAL_HOLD_S:g} s, burst memory {DEMO_BURST_MEMORY_S:g} s, pod start-up "
             f"{DEMO_STARTUP_S:g} s (operator defaults: 120, 300, 900, 120); scale-down "
             f"removes one replica per {spec.autoscaling.load_window_s:g} s load window",
-            "  TTFT/ITL columns: the model's predicted p99 at the running replicas",
+            "  TTFT/ITL columns: the model's predicted p99 at the running replicas; "
+            "TTFT-MEASURED/ITL-MEASURED: the p99 the engine's passes show it realized "
+            "(the closed loop's measurement)",
             "starting a vLLM CPU engine with the Stepscale plugin (30-100 s)...",
         ]
     )

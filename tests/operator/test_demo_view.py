@@ -31,11 +31,14 @@ def test_kubectl_columns_come_from_status_ready_is_ready_replicas() -> None:
     status = fitted_status()
     status.update(replicas=3, readyReplicas=2, desiredReplicas=4)
     status["predictions"]["current"] = {"replicas": 2, "ttftMs": 168.4, "itlMs": 9.6}
+    status["predictions"]["measured"] = {"ttftMs": 201.2, "itlMs": 12.7, "itlCorrection": 1.3}
     header, row = kubectl_table(status, "demo", 50).splitlines()
+    assert header.split()[4:8] == ["TTFT", "TTFT-MEASURED", "ITL", "ITL-MEASURED"]
     assert header.startswith("NAME     REPLICAS  READY  DESIRED")
     cells = row.split()
-    assert cells[:6] == ["demo", "3", "2", "4", "168ms", "10ms"]
-    assert cells[6] == f"{status['costModel']['mapePercent']:.0f}%" and cells[7] == "50s"
+    # Each predicted latency beside the one the fleet realized.
+    assert cells[:8] == ["demo", "3", "2", "4", "168ms", "201ms", "10ms", "13ms"]
+    assert cells[8] == f"{status['costModel']['mapePercent']:.0f}%" and cells[9] == "50s"
     model, load, streams, decision = detail_lines(status)
     assert model.startswith("  model   ready: step_ms = ")
     assert "malformed 2" in streams
@@ -44,7 +47,7 @@ def test_kubectl_columns_come_from_status_ready_is_ready_replicas() -> None:
 
 def test_missing_values_print_as_dashes() -> None:
     header, row = kubectl_table({"replicas": 1}, "demo", 0).splitlines()
-    assert row.split() == ["demo", "1", "-", "-", "-", "-", "-", "0s"]
+    assert row.split() == ["demo", "1", "-", "-", "-", "-", "-", "-", "-", "0s"]
     assert len(detail_lines({})) == 4
 
 

@@ -395,6 +395,14 @@ def test_crd_shape() -> None:
             node = node["properties"][part]
         assert node["type"] == column["type"], column["name"]
     assert set(columns) >= {"Replicas", "Ready", "Desired", "TTFT(ms)", "ITL(ms)", "MAPE(%)", "Age"}
+    # kubectl get vd shows the realized latency beside each prediction.
+    names = [c["name"] for c in version["additionalPrinterColumns"]]
+    for latency in ("TTFT", "ITL"):
+        predicted = names.index(f"{latency}(ms)")
+        assert names[predicted + 1] == f"{latency}-Measured(ms)"
+        assert columns[f"{latency}-Measured(ms)"]["jsonPath"] == (
+            f".status.predictions.measured.{latency.lower()}Ms"
+        )
     rules = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"]
     from stepscale_operator.controller import spec as spec_module
 
