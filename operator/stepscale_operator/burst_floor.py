@@ -9,12 +9,15 @@ soon finds its capacity already there. A burst within that memory extends it: a
 smaller one does not lower the floor while a bigger one's peak is in the memory.
 What is kept is the peak's *demand*, sized again at every decision with the model
 and the closed loop's correction as they are then (see :meth:`BurstMemory.floor`),
-within the SLO less the margin but without the look-ahead headroom: that headroom
-is for a rise no measurement shows yet, and a remembered peak was measured (kept
-with it, the memory held 5 replicas on silence-burst where its demand needs 4
-and the oracle 3-4). It is served as the streams measure the fleet's serving at
-that decision (:func:`~stepscale_operator.demand.with_fleet_of`): a peak read
-while its pods joined carries the router's transient, not the demand's shape.
+within the SLO itself, without the look-ahead headroom or the margin
+(:func:`~stepscale_operator.capacity_need.remembered_need`): the headroom is for
+a rise no measurement shows yet, and a remembered peak was measured (kept with
+it, the memory held 5 replicas on silence-burst where its demand needs 4 and the
+oracle 3-4); the margin is for the model's error on a load being served, and a
+burst that returns gets it from the planner's own need at once. It is served as
+the streams measure the fleet's serving at that decision
+(:func:`~stepscale_operator.demand.with_fleet_of`): a peak read while its pods
+joined carries the router's transient, not the demand's shape.
 A burst is kept because one that ends as fast as it came may come back as fast.
 The memory therefore watches how the latest burst's demand leaves the level it
 held: once it is down from it by ``burst_ratio`` and by more than the noise (the
@@ -232,8 +235,8 @@ class BurstMemory:
         x1.68, and a peak of 8 replicas kept for 15 minutes where 3-4 served the
         burst). The same demand sized with the decayed correction needs what it
         needs, and a correction that stays (the model really under-predicts)
-        keeps the count up. ``size`` leaves out the look-ahead headroom that
-        ``needed`` (what bursts are judged on) includes.
+        keeps the count up. ``size`` leaves out the look-ahead headroom and the
+        margin that ``needed`` (what bursts are judged on) includes.
 
         What the streams measure of the fleet rather than of the demand (how the
         router splits arrivals over the replicas, what a prefill pass spares of

@@ -34,7 +34,7 @@ from stepscale_operator.capacity_need import (
     Predict,
     capacity_need,
     latency_predictions,
-    steady_need,
+    remembered_need,
 )
 from stepscale_operator.closed_loop import NO_FEEDBACK, Feedback, LatencyFeedback
 from stepscale_operator.demand import DemandStage, forecast_load, with_demand
@@ -123,7 +123,7 @@ class Planner:
         assert self._window.first_decision_time is not None
 
         def resize(load: LoadEstimate) -> int:
-            return steady_need(policy, inputs, load, need.search_high, predict, lookahead=False)
+            return remembered_need(policy, inputs, load, need.search_high, predict)
 
         bursts = self._bursts.floor(
             now,

@@ -12,6 +12,12 @@ import pytest
 
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.burst_floor import BurstMemory
+from stepscale_operator.capacity_need import (
+    latency_predictions,
+    planning_margin,
+    remembered_need,
+    smallest_within_reach,
+)
 from stepscale_operator.demand import DemandStage, with_fleet_of
 from stepscale_operator.latency_model import (
     EngineLimits,
@@ -125,13 +131,11 @@ def needed_for(load: LoadEstimate, policy: PlannerPolicy | None = None) -> int:
 
 def held_for(load: LoadEstimate, policy: PlannerPolicy | None = None) -> int:
     """What the burst memory keeps for a burst of this load: its need within the SLO
-    less the margin, without the look-ahead headroom ``needed_for`` plans with."""
-    from stepscale_operator.capacity_need import latency_predictions, steady_need
-
+    itself, without the margin and the look-ahead headroom ``needed_for`` plans with."""
     policy = policy or PlannerPolicy()
     inputs = inputs_for(load, 1)
     predict = latency_predictions(inputs, policy)
-    return steady_need(policy, inputs, load, inputs.max_replicas, predict, lookahead=False)
+    return remembered_need(policy, inputs, load, inputs.max_replicas, predict)
 
 
 # -- capacity model -----------------------------------------------------------------
@@ -1117,6 +1121,43 @@ def test_a_smaller_burst_within_the_memory_does_not_lower_the_floor() -> None:
     # ... until it is 900 s old too.
     total, t = _run_steady(planner, low, total, t, small_ended + 1000.0)
     assert burst_floor(total, t) < held_for(small, policy)
+
+
+def _held_with_margin(load: LoadEstimate, policy: PlannerPolicy) -> int:
+    """A remembered load's count within the SLO less the planning margin."""
+    inputs = inputs_for(load, 1)
+    predict = latency_predictions(inputs, policy)
+    margin = planning_margin(policy, inputs.model_mape)
+    n, _, _ = smallest_within_reach(policy, inputs.slo, load, margin, inputs.max_replicas, predict)
+    return n
+
+
+def test_a_remembered_peak_is_held_within_the_slo_itself_not_the_margin() -> None:
+    # The margin is for the model's error on a load being served; a burst that comes
+    # back gets it from the planner's own need at once. The memory holds what the
+    # model says meets the SLO itself: one replica fewer where the margin is binding.
+    policy = _burst_rules_policy()
+    inputs = inputs_for(load_of(100.0), 1)
+    predict = latency_predictions(inputs, policy)
+    rates = [60.0 + 10.0 * i for i in range(12)]
+    binding = [
+        r for r in rates if held_for(load_of(r), policy) < _held_with_margin(load_of(r), policy)
+    ]
+    assert binding, "the margin never binds on these loads: the test shows nothing"
+    for rate in rates:
+        held = held_for(load_of(rate), policy)
+        assert predict(held, load_of(rate)).within(inputs.slo, 0.0)
+        assert held == 1 or not predict(held - 1, load_of(rate)).within(inputs.slo, 0.0)
+        assert held <= _held_with_margin(load_of(rate), policy)
+    # The planner holds that count after a burst of such a load.
+    planner = Planner(policy)
+    low, burst = load_of(20.0), load_of(binding[0])
+    total, t = _run_steady(planner, low, needed_for(low, policy), 0.0, 200.0)
+    total, t = _run_steady(planner, burst, total, t, t + 300.0)
+    total, t = _run_steady(planner, low, total, t, t + 300.0)
+    after = planner.decide(inputs_for(low, total, now=t), now=t)
+    assert "burst" in after.reason
+    assert after.desired_replicas == held_for(burst, policy) < _held_with_margin(burst, policy)
 
 
 def test_a_bursts_remembered_peak_is_sized_with_the_model_as_it_is_now() -> None:
