@@ -176,9 +176,9 @@ def remembered_need(
     a load that may come back; when it does, the planner's own need (margin and
     headroom included) asks for the rest at once, and the held replicas carry the
     burst at the SLO while those start. Held with the margin, the memory kept a
-    replica the returning burst did not need (bench scenarios, seed 0: silence-burst
-    1.52 -> 1.33 GPU-hours for 0.11 point, steps 3.01 -> 2.93 at the same
-    attainment; see docs/planner-history.md).
+    replica the returning burst did not need where the margin decided the count
+    (silence-burst, seed 0: 1.52 -> 1.33 GPU-hours for 0.11 point; on seed 1 the
+    margin did not decide it and nothing moved; see docs/planner-history.md).
     """
     n, _, _ = smallest_within_reach(policy, inputs.slo, remembered, 0.0, search_high, predict)
     return n
