@@ -13,7 +13,9 @@ Also the prompt tokens computed in a decode token's pass, on average (what
 delays the decodes): what the latency model puts it at (median over
 its predictions: a mean step's prompt tokens times the router's exposure) and what
 the simulated engines did over the window each prediction measured (the medians
-over windows, and the median of their ratio). Prints a table; writes
+over windows, and the median of their ratio). Then, per run, what the
+requests above the run's p99 ITL met while they decoded, beside a sample of
+short outputs (``slow_request_anatomy.py``). Prints the tables; writes
 ``bench_prediction.json``.
 
 ``--across scenario@6,8,12,16`` holds the fleet at each of those counts and has
@@ -43,6 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_policies as bp  # noqa: E402
+from slow_request_anatomy import slow_request_anatomy  # noqa: E402
 
 from stepscale_operator.latency_model import PerReplicaLoad, predict_latency  # noqa: E402
 from stepscale_operator.simulator import readme_scenarios as readme  # noqa: E402
@@ -150,6 +153,14 @@ def run_one(job: tuple[str, float, int, int, tuple[int, ...]]) -> dict[str, obje
             (t, {str(n): v for n, v in at.items()}) for t, at in policy.predicted_across
         ],
         "window_itl_p99": window_itl_p99(result, [t for t, _ in policy.predicted_across]),
+        "slow_requests": slow_request_anatomy(
+            result.traffic.arrival_s,
+            result.requests.first_token_s,
+            result.requests.finish_s,
+            result.replica_of,
+            result.traffic.output_tokens,
+            request_latencies(result).itl_ms,
+        ),
     }
 
 
@@ -273,6 +284,28 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['prefill_tokens_per_decode_predicted']:33.1f} "
             f"{row['prefill_tokens_per_decode_simulated']:6.1f} "
             f"{row['prefill_tokens_per_decode_ratio']:6.2f}"
+        )
+    print(
+        "\nWhat the requests above the run's p99 ITL met while they decoded, beside a "
+        "sample of outputs of 11 tokens or fewer (slow_request_anatomy.py): prompts "
+        "prefilled on their replica, of them those that came within 1 s after them "
+        "(their own clump), median TTFT"
+    )
+    print(
+        f"{'run':28} {'p99 ITL':>8} {'slow':>5} {'short':>6} {'prefills':>8} {'clump':>6} "
+        f"{'TTFT':>7} | {'short: prefills':>15} {'clump':>6} {'TTFT':>7}"
+    )
+    for row in rows:
+        a = row["slow_requests"]
+        assert isinstance(a, dict)
+        if not a:
+            continue
+        print(
+            f"{row['run']:28} {a['itl_p99_ms']:8.1f} {a['slow_requests']:5.0f} "
+            f"{a['slow_short_share']:6.0%} {a['slow_prefills']:8.2f} "
+            f"{a['slow_clump_prefills']:6.2f} {a['slow_ttft_ms']:7.0f} | "
+            f"{a['short_prefills']:15.2f} {a['short_clump_prefills']:6.2f} "
+            f"{a['short_ttft_ms']:7.0f}"
         )
     report: dict[str, object] = {"args": vars(args), "runs": rows}
     if across:

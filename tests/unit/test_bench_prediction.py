@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 from tests.conftest import benchmark_module
@@ -37,3 +39,42 @@ def test_windows_without_prompts_beside_decodes_are_not_judged() -> None:
     by_second = {t: [100, 0] for t in range(100)}
     assert all(math.isnan(v) for v in _bench().beside_decodes_by_window(by_second, [(60.0, 3.0)]))
     assert all(math.isnan(v) for v in _bench().beside_decodes_by_window({}, [(60.0, 3.0)]))
+
+
+def test_the_slowest_requests_are_shown_with_the_prefills_they_met_while_decoding() -> None:
+    # 200 fast requests, each alone on its replica; on replica 0 a 3-token request
+    # (A) whose two clump mates, arriving 50 and 60 ms after it, are prefilled while
+    # it decodes, and a prompt that came 5 s earlier is prefilled then too; on
+    # replica 1 a long output (D) slow with nothing beside it.
+    fast = 200
+    arrival = [10.0 * i for i in range(fast)] + [0.0, 0.05, 0.06, -5.0, 3.0]
+    first = [a + 0.02 for a in arrival[:fast]] + [0.10, 0.12, 0.15, 0.18, 3.05]
+    finish = [f + 0.01 * 9 for f in first[:fast]] + [0.20, 2.0, 2.0, 2.0, 3.05 + 0.06 * 99]
+    replica = list(range(2, fast + 2)) + [0, 0, 0, 0, 1]
+    output = [10] * fast + [3, 200, 200, 200, 100]
+    arr, ft, fin = (np.array(x, dtype=np.float64) for x in (arrival, first, finish))
+    out = np.array(output, dtype=np.int64)
+    itl = np.where(out > 1, (fin - ft) * 1e3 / np.maximum(out - 1, 1), 0.0)
+    anatomy = _anatomy()(arr, ft, fin, np.array(replica, dtype=np.int64), out, itl)
+    assert anatomy["slow_requests"] == 2  # A (50 ms) and D (60 ms), above the p99
+    assert anatomy["slow_short_share"] == pytest.approx(0.5)
+    assert anatomy["slow_prefills"] == pytest.approx(1.5)  # A met 3, D none
+    assert anatomy["slow_clump_prefills"] == pytest.approx(1.0)  # A's two mates only
+    assert anatomy["slow_ttft_ms"] == pytest.approx(75.0)  # 100 and 50 ms
+    # The sample of short outputs (the 200 fast ones and A) met A's three at most.
+    assert anatomy["short_prefills"] == pytest.approx(3 / 201)
+    assert anatomy["short_clump_prefills"] == pytest.approx(2 / 201)
+
+
+def test_a_run_without_an_itl_has_no_slow_requests_to_show() -> None:
+    one_token = np.ones(3, dtype=np.int64)
+    times = np.array([0.0, 1.0, 2.0])
+    none = _anatomy()(times, times + 0.1, times + 0.1, one_token * 0, one_token, times * 0.0)
+    assert none == {}
+
+
+def _anatomy() -> Callable[..., dict[str, float]]:
+    anatomy: Callable[..., dict[str, float]] = benchmark_module(
+        "slow_request_anatomy"
+    ).slow_request_anatomy
+    return anatomy
