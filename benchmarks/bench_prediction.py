@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_policies as bp  # noqa: E402
-from slow_request_anatomy import slow_request_anatomy  # noqa: E402
+from slow_request_anatomy import CLUMP_S, SHORT_TOKENS, slow_request_anatomy  # noqa: E402
 
 from stepscale_operator.latency_model import PerReplicaLoad, predict_latency  # noqa: E402
 from stepscale_operator.simulator import readme_scenarios as readme  # noqa: E402
@@ -287,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         "\nWhat the requests above the run's p99 ITL met while they decoded, beside a "
-        "sample of outputs of 11 tokens or fewer (slow_request_anatomy.py): prompts "
-        "prefilled on their replica, of them those that came within 1 s after them "
-        "(their own clump), median TTFT"
+        f"sample of outputs of {SHORT_TOKENS} tokens or fewer (slow_request_anatomy.py): "
+        f"prompts prefilled on their replica, of them those that came within {CLUMP_S:g} s "
+        "after them (their own clump), median TTFT"
     )
     print(
         f"{'run':28} {'p99 ITL':>8} {'slow':>5} {'short':>6} {'prefills':>8} {'clump':>6} "

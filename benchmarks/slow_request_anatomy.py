@@ -21,6 +21,9 @@ import numpy.typing as npt
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
+SHORT_TOKENS = 11  # a short output: at most this many tokens (the chain's outputs)
+CLUMP_S = 1.0  # a prompt this soon after a request came with it (the 1 s bucket)
+
 
 def slow_request_anatomy(
     arrival_s: FloatArray,
@@ -29,8 +32,8 @@ def slow_request_anatomy(
     replica: IntArray,
     output_tokens: IntArray,
     itl_ms: FloatArray,
-    short_tokens: int = 11,
-    clump_s: float = 1.0,
+    short_tokens: int = SHORT_TOKENS,
+    clump_s: float = CLUMP_S,
     sample: int = 300,
     seed: int = 0,
 ) -> dict[str, float]:
