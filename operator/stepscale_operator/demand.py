@@ -71,11 +71,12 @@ def with_demand(load: LoadEstimate, ratio: float) -> LoadEstimate:
 
 # What the streams measure of the serving fleet rather than of the demand: how the
 # router splits the arrivals over the replicas, what a prefill pass spares of their
-# decodes, and the streams both were measured on (the model carries them from there
-# to any count).
+# decodes, the prefill passes a request meets right after its first token, and the
+# streams these were measured on (the model carries them from there to any count).
 FLEET_MEASURED_FIELDS = (
     "replica_arrival_dispersion",
     "prefill_pass_decode_deficit",
+    "early_prefills",
     "streams_total",
     "streams_missing",
     "missing_streams",

@@ -59,6 +59,7 @@ import numpy.typing as npt
 from stepscale_engine.wire import (
     ForwardPassMetrics,
 )
+from stepscale_operator.early_prefills import EarlyPrefillEstimator
 from stepscale_operator.load_types import (
     BUDGET_FACTOR,
     BUDGET_FLOOR,
@@ -233,6 +234,7 @@ class LoadEstimator:
         for name, shape, fill in self._per_stream():
             setattr(self, name, np.full((cap, *shape), fill))
         self._outputs = OutputLengthEstimator()
+        self._early = EarlyPrefillEstimator(self.window_s, self.bucket_s)
         self.rejected: dict[str, int] = {}  # implausible messages by reason
 
     # -- membership ------------------------------------------------------------
@@ -293,6 +295,7 @@ class LoadEstimator:
         for name, _, fill in self._per_stream():
             getattr(self, name)[slot] = fill
         self._outputs.forget(slot)
+        self._early.forget(slot)
 
     # -- observation -----------------------------------------------------------
 
@@ -423,6 +426,13 @@ class LoadEstimator:
             # Heartbeats too: they tell the output lengths how long the engine idled.
             self._outputs.observe(
                 int(stream), cols[lo:hi, _PREFILL_FINISHED], n_dec[lo:hi], w[lo:hi], now
+            )
+            self._early.observe(
+                int(stream),
+                cols[lo:hi, _BUSY_S],
+                cols[lo:hi, _PREFILL_PASSES],
+                cols[lo:hi, _PREFILL_FINISHED],
+                now,
             )
         per_stream = np.zeros((streams.shape[0], _N_COLS))
         per_stream[:, :_HIST] = np.add.reduceat(cols, starts, axis=0)
@@ -614,6 +624,7 @@ class LoadEstimator:
             replica_arrival_dispersion=shapes.replica_arrival_dispersion,
             prefill_pass_decode_deficit=deficit or 0.0,
             output_interval_shares=self._outputs.shares(),
+            early_prefills=self._early.measured(now),
             realized_itl_mean_ms=shapes.realized_itl_mean_ms,
             realized_itl_tail_ms=shapes.realized_itl_tail_ms,
             realized_ttft_mean_ms=shapes.realized_ttft_mean_ms,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from stepscale_operator.early_prefills import EarlyPrefills
 from stepscale_operator.pass_columns import (
     QUEUED_DECODE_KV,
     QUEUED_DECODE_REQS,
@@ -153,6 +154,10 @@ class LoadEstimate:
     # (empty: not measured yet), from when requests leave the decode batch against
     # when they finished prefill (see :mod:`~stepscale_operator.output_lengths`).
     output_interval_shares: tuple[float, ...] = ()
+    # The prefill passes a request meets over its first passes, against passes at
+    # large (None: too few prompts finished to tell; see
+    # :mod:`~stepscale_operator.early_prefills`).
+    early_prefills: EarlyPrefills | None = None
     # Realized latency over the window, from the passes themselves (0: unknown): the
     # mean inter-token latency (pass wall times weighted by decode requests), and the
     # mean TTFT (queue wait by Little's law plus time in prefill passes); each with
@@ -183,6 +188,8 @@ class LoadEstimate:
                 "output_interval_shares",
             ):
                 d[key] = list(value)
+            elif key == "early_prefills":
+                d[key] = None if value is None else [float(x) for x in value["lift"]]
             else:
                 d[key] = None if key in self.unavailable else value
         d["complete"] = self.complete

@@ -1,0 +1,174 @@
+"""EarlyPrefillEstimator: the prefill passes a request meets right after its first
+token, from the pass stream; the beta-binomial the latency model draws them from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics, heartbeat
+from stepscale_operator.early_prefills import (
+    MIN_FINISHED,
+    SPANS,
+    EarlyPrefillEstimator,
+    beta_binomial_pmf,
+)
+from stepscale_operator.load_estimate import LoadEstimator
+
+
+def _clumped(cycles: int, gap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(wall, prefill, finished) of a stream where prompts come in pairs: a prompt
+    finishes, its mate is prefilled on the next pass, then ``gap`` decode passes."""
+    prefill = np.tile(np.r_[1.0, 1.0, np.zeros(gap)], cycles)
+    finished = prefill.copy()
+    return np.full(prefill.shape, 0.02), prefill, finished
+
+
+def test_a_clump_mate_prefilled_next_lifts_the_first_passes_over_the_share_at_large() -> None:
+    wall, prefill, finished = _clumped(200, 18)  # 2 prefill passes in 20: share 0.1
+    est = EarlyPrefillEstimator(window_s=30.0)
+    est.observe(0, wall, prefill, finished, now=10.0)
+    early = est.measured(10.0)
+    assert early is not None
+    assert early.spans == SPANS
+    # After the first of a pair the next pass is prefill (1 in 1), after the second
+    # none for 18: over one pass half of the finished prompts meet a prefill pass.
+    lift_1, _ = early.at(1)
+    assert lift_1 == pytest.approx(0.5 / 0.1)
+    # Over 16 passes the first of a pair meets its mate, the second none: K is 1
+    # or 0, less variable than a binomial of that share, so no overdispersion.
+    lift_16, rho_16 = early.at(16)
+    assert lift_16 == pytest.approx(0.5 / 16 / 0.1)
+    assert rho_16 == 0.0
+
+
+def _reference(
+    wall: np.ndarray, prefill: np.ndarray, finished: np.ndarray
+) -> dict[int, tuple[float, float]]:
+    """(lift, rho) per span, counted prompt by prompt."""
+    run = np.cumsum(wall <= 0.0)[wall > 0.0]
+    pre = (prefill[wall > 0.0] > 0).astype(float)
+    fin = finished[wall > 0.0]
+    share = pre.mean()
+    out = {}
+    for m in SPANS:
+        counts, weights = [], []
+        for j in range(pre.size - m):
+            if fin[j] > 0 and run[j] == run[j + m]:
+                counts.append(pre[j + 1 : j + 1 + m].sum())
+                weights.append(fin[j])
+        k, w = np.array(counts), np.array(weights)
+        mean = (w @ k) / w.sum()
+        var = (w @ k**2) / w.sum() - mean**2
+        q = mean / m
+        rho = 0.0 if m == 1 else max((var / (m * q * (1 - q)) - 1) / (m - 1), 0.0)
+        out[m] = (q / share, rho)
+    return out
+
+
+def test_each_span_counts_the_prefill_passes_after_every_finished_prompt() -> None:
+    rng = np.random.default_rng(11)
+    # Prompts in clumps: a pass carries prefill more often right after another.
+    pre = np.zeros(6000)
+    for i in range(1, pre.size):
+        pre[i] = rng.random() < (0.5 if pre[i - 1] else 0.06)
+    finished = pre * rng.integers(1, 3, pre.size)
+    wall = np.where(rng.random(pre.size) < 0.005, 0.0, 0.02)
+    est = EarlyPrefillEstimator()
+    est.observe(0, wall, pre, finished, now=3.0)
+    early = est.measured(3.0)
+    assert early is not None
+    want = _reference(wall, pre, finished)
+    rhos = dict(zip(early.spans, early.overdispersion, strict=True))
+    for m, lift in zip(early.spans, early.lift, strict=True):
+        assert lift == pytest.approx(want[m][0])
+        if m > 1:
+            assert rhos[m] == pytest.approx(want[m][1])
+    assert early.lift[0] > 2.0  # the clumps lift the first pass well over the share
+    assert rhos[2] == rhos[1]  # one pass has none; the span of 2 stands for it
+
+
+def test_batches_split_anywhere_give_what_one_batch_gives() -> None:
+    rng = np.random.default_rng(3)
+    prefill = (rng.random(4000) < 0.2).astype(float)
+    finished = prefill * rng.integers(1, 3, 4000)
+    wall = np.where(rng.random(4000) < 0.01, 0.0, 0.02)  # a few heartbeats
+    whole = EarlyPrefillEstimator()
+    whole.observe(7, wall, prefill, finished, now=5.0)
+    split = EarlyPrefillEstimator()
+    cuts = [0, 1, 33, 34, 500, 1777, 4000]
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        split.observe(7, wall[lo:hi], prefill[lo:hi], finished[lo:hi], now=5.0)
+    a, b = whole.measured(5.0), split.measured(5.0)
+    assert a is not None and b is not None
+    assert a == b
+
+
+def test_a_heartbeat_ends_the_passes_a_finished_prompt_is_counted_over() -> None:
+    # A prompt finishes, then the engine idles (heartbeat), then prompts are
+    # prefilled: nothing after the idle second was met by the first prompt's request.
+    cycle_wall = np.r_[0.02, 0.0, np.full(4, 0.02)]
+    cycle_pre = np.r_[1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    cycle_fin = np.r_[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    est = EarlyPrefillEstimator()
+    n = int(MIN_FINISHED) + 10
+    est.observe(0, np.tile(cycle_wall, n), np.tile(cycle_pre, n), np.tile(cycle_fin, n), 1.0)
+    early = est.measured(1.0)
+    # Every finished prompt is followed by a heartbeat: no span can be counted.
+    assert early is None
+
+
+def test_prompts_outside_the_window_are_forgotten() -> None:
+    wall, prefill, finished = _clumped(200, 18)
+    est = EarlyPrefillEstimator(window_s=10.0)
+    est.observe(0, wall, prefill, finished, now=1.0)
+    assert est.measured(5.0) is not None
+    assert est.measured(12.0) is None
+
+
+def test_beta_binomial_has_the_moments_it_is_matched_to() -> None:
+    for m, q, rho in ((5, 0.1, 0.3), (12, 0.4, 0.05), (32, 0.02, 0.6)):
+        p = beta_binomial_pmf(m, q, rho)
+        k = np.arange(m + 1)
+        assert p.sum() == pytest.approx(1.0)
+        mean = p @ k
+        assert mean == pytest.approx(m * q)
+        var = p @ k**2 - mean**2
+        assert var == pytest.approx(m * q * (1 - q) * (1 + (m - 1) * rho), rel=1e-6)
+    binomial = beta_binomial_pmf(4, 0.25, 0.0)
+    assert binomial == pytest.approx(
+        [0.75**4, 4 * 0.25 * 0.75**3, 6 * 0.25**2 * 0.75**2, 4 * 0.25**3 * 0.75, 0.25**4]
+    )
+
+
+def _pass(counter: int, prefill_reqs: int, tokens: int = 100) -> ForwardPassMetrics:
+    sched = ScheduledRequestMetrics(
+        num_prefill_requests=prefill_reqs,
+        sum_prefill_tokens=tokens * prefill_reqs,
+        num_decode_requests=8,
+        sum_decode_kv_tokens=4000,
+    )
+    return ForwardPassMetrics(
+        worker_id="w", counter_id=counter, wall_time=0.02, scheduled_requests=sched
+    )
+
+
+def test_the_load_estimate_carries_what_its_streams_measured() -> None:
+    est = LoadEstimator(window_s=30.0)
+    # One pass that fills the token budget (so the prompts of 100 tokens are not
+    # taken for chunks of longer ones), then a decode pass.
+    est.observe(_pass(1, 1, tokens=2048), 0.01)
+    est.observe(_pass(2, 0), 0.02)
+    counter = 2
+    t = 0.02
+    for _ in range(300):  # pairs of prompts 20 passes apart, as above
+        for reqs in (1, 1, *([0] * 18)):
+            counter += 1
+            t += 0.02
+            est.observe(_pass(counter, reqs), t)
+    est.observe(heartbeat("w", 0, counter + 1), t)  # liveness only: nothing counted
+    load = est.estimate(t)
+    assert load.early_prefills is not None
+    lift_1, _ = load.early_prefills.at(1)
+    assert lift_1 == pytest.approx(5.0, rel=0.02)
+    assert load.to_dict()["early_prefills"] == list(load.early_prefills.lift)
