@@ -15,18 +15,32 @@ how many prompts finished prefill there (the load estimator's count: prefill
 requests less the one a full pass leaves partial). For a prompt that finished in
 pass ``j`` and each ``m`` of :data:`SPANS`, the count ``K`` of passes among
 ``j + 1 .. j + m`` that carry prefill is what a request of ``m`` intervals from
-that prompt would meet. Per span, over the window: the finished prompts, their
-``sum K`` and ``sum K^2``; with the passes and prefill passes at large, that gives
+that prompt would meet, and ``s``, the share of prefill passes among its stream's
+last :data:`SHARE_PASSES` passes (up to its own), what a pass there carries at
+large. Per span, over the window, weighted by the prompts that finished:
 
-* the **lift**: the share of prefill passes over a request's first ``m`` passes,
-  over the share among all passes (1: no different); the latency model multiplies
-  the share it predicts at any count by it, and
-* the **overdispersion** ``rho`` of ``K`` over a binomial of that share
-  (``Var K = m q (1 - q) (1 + (m - 1) rho)``): a beta-binomial of the two moments
-  matched the measured tails of ``K`` within about 10% on four scenarios.
+* the **lift** ``sum K / (m sum s)``: how much more often a request's first ``m``
+  passes carry prefill than its replica's passes at large (1: no different); the
+  latency model multiplies the share it predicts at any count by it. Against each
+  replica's own share, not the fleet's: pooled, a replica busy with prefill and
+  one left nearly idle read as clumping (on the simulator's silence-burst
+  scale-up the pooled lift reached 7 and held 35 replicas where 4 would do);
+* the **overdispersion** ``rho`` of ``K`` around ``m`` times that lift times ``s``
+  over a binomial's (``Var K = m q (1 - q) (1 + (m - 1) rho)``): a beta-binomial
+  of the two moments matched the measured tails of ``K`` within about 10% on four
+  scenarios.
 
-An idle engine runs no passes, so a heartbeat ends the run of passes: a prompt
-whose ``m`` passes would span one is not counted at that span (its request ended
+A prompt counts once its stream has :data:`SHARE_PASSES` passes up to it (a
+replica that just joined has no share yet: its first passes are all prefill), and
+not where prompts waited there on average over those passes; and nothing is
+measured where they waited, on average over the window's passes, on the streams
+together. That is a backlog, and what follows a finish in a backlog is the next
+prompt in it, which a count with room would not have: on silence-burst's first
+burst one replica's backlog read as a lift of 7 and an overdispersion of 1 and
+sent the planner to 26 replicas where 4 would do (the backlog rules size that
+fleet; the model goes back to its chain). An idle
+engine runs no passes, so a heartbeat ends the run of passes: a prompt whose
+``m`` passes would span one is not counted at that span (its request ended
 before the engine went idle, or never had ``m`` intervals). Pure numpy; the load
 estimator calls :meth:`EarlyPrefillEstimator.observe` per stream and reads
 :meth:`EarlyPrefillEstimator.measured` with its estimate.
@@ -45,10 +59,19 @@ FloatArray = npt.NDArray[np.float64]
 # Intervals after a request's first token at which its prefill passes are counted;
 # the latency model interpolates between them (short outputs set the ITL tail).
 SPANS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-_LONGEST = SPANS[-1]
-# Columns of a bucket: passes, prefill passes, then per span finished, sum K, sum K^2.
-_PASSES, _PREFILL_PASSES = 0, 1
-_N_COLS = 2 + 3 * len(SPANS)
+# The passes a finished prompt's stream share is taken over (up to its own): long
+# against the spans, so the share is the replica's load and not the clump; short
+# against the window, so a replica that just joined or was just left idle is
+# judged by its own recent passes.
+SHARE_PASSES = 512
+_KEEP = SHARE_PASSES + SPANS[-1]
+# Columns of a bucket per span: sum f, f K, f K^2, f s, f s^2, f K s over the finished
+# prompts f (weights), their counts K and their stream's share s; then the passes
+# and the prompts waiting summed over them.
+_PER_SPAN = 6
+_PASSES = _PER_SPAN * len(SPANS)
+_WAITING = _PASSES + 1
+_N_COLS = _WAITING + 1
 # Fewer finished prompts than this in the window at a span say nothing of its tail.
 MIN_FINISHED = 100.0
 
@@ -106,21 +129,30 @@ class EarlyPrefillEstimator:
         self._n_window = int(math.ceil(self.window_s / self.bucket_s))
         self._ring = np.zeros((self._n_window + 1, _N_COLS))
         self._bucket_id = np.full(self._n_window + 1, -1, dtype=np.int64)
-        # Per slot, its last passes (at most the longest span): prefill flag,
-        # prompts finished, and the run of passes each belongs to.
-        self._history: dict[int, tuple[FloatArray, FloatArray, npt.NDArray[np.int64]]] = {}
+        # Per slot, its last passes (_KEEP at most), one row each: prefill flag,
+        # prompts finished, prompts waiting, and the run of passes it belongs to.
+        self._history: dict[int, FloatArray] = {}
         self._run: dict[int, int] = {}  # per slot: its current run of passes
+        self._seen: dict[int, int] = {}  # per slot: passes seen
 
     def forget(self, slot: int) -> None:
         """Drop a stream's history (its pod is gone, or the slot is reused)."""
         self._history.pop(slot, None)
         self._run.pop(slot, None)
+        self._seen.pop(slot, None)
 
     def observe(
-        self, slot: int, wall: FloatArray, prefill: FloatArray, finished: FloatArray, now: float
+        self,
+        slot: int,
+        wall: FloatArray,
+        prefill: FloatArray,
+        finished: FloatArray,
+        waiting: FloatArray,
+        now: float,
     ) -> None:
         """A stream's new messages, in order: wall time (0: a heartbeat), whether the
-        pass carried prefill (> 0) and the prompts that finished prefill there."""
+        pass carried prefill (> 0), the prompts that finished prefill there and
+        the prompts left waiting in its queue."""
         if wall.shape[0] == 0:
             return
         beat = wall <= 0.0
@@ -129,28 +161,48 @@ class EarlyPrefillEstimator:
         passes = ~beat
         if not passes.any():
             return
-        old_pre, old_fin, old_run = self._history.get(
-            slot, (np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
+        new = np.column_stack(
+            [
+                (prefill[passes] > 0.0).astype(np.float64),
+                finished[passes],
+                waiting[passes],
+                run[passes].astype(np.float64),
+            ]
         )
-        pre = np.concatenate([old_pre, (prefill[passes] > 0.0).astype(np.float64)])
-        fin = np.concatenate([old_fin, finished[passes]])
-        runs = np.concatenate([old_run, run[passes]])
-        kept = old_pre.shape[0]
-        row = np.zeros(_N_COLS)
-        row[_PASSES] = pre.shape[0] - kept
-        row[_PREFILL_PASSES] = pre[kept:].sum()
+        old = self._history.get(slot, np.zeros((0, 4)))
+        rows = np.concatenate([old, new])
+        pre, fin, runs = rows[:, 0], rows[:, 1], rows[:, 3]
+        kept = old.shape[0]
+        # Stream pass number of each row: a prompt counts once its stream has
+        # SHARE_PASSES passes up to it, so its share and backlog are known.
+        first_number = self._seen.get(slot, 0) - kept
+        self._seen[slot] = first_number + rows.shape[0]
         cum = np.concatenate([[0.0], np.cumsum(pre)])
+        cum_waiting = np.concatenate([[0.0], np.cumsum(rows[:, 2])])
+        row = np.zeros(_N_COLS)
+        row[_PASSES] = new.shape[0]
+        row[_WAITING] = new[:, 2].sum()
         for i, m in enumerate(SPANS):
             # Prompts whose m passes end in this batch (earlier ones were counted).
-            j = np.arange(max(kept - m, 0), pre.shape[0] - m)
+            j = np.arange(max(kept - m, SHARE_PASSES - 1 - first_number, 0), pre.shape[0] - m)
             if j.size == 0:
                 continue
+            share = (cum[j + 1] - cum[j + 1 - SHARE_PASSES]) / SHARE_PASSES
+            # A backlog (a prompt or more waiting, on average): what follows a
+            # finish is the backlog, which a count with room would not have.
+            backlog = cum_waiting[j + 1] - cum_waiting[j + 1 - SHARE_PASSES] >= SHARE_PASSES
+            f = np.where((runs[j] == runs[j + m]) & ~backlog, fin[j], 0.0)
             count = cum[j + 1 + m] - cum[j + 1]
-            weight = np.where(runs[j] == runs[j + m], fin[j], 0.0)
-            row[2 + 3 * i] += weight.sum()
-            row[3 + 3 * i] += weight @ count
-            row[4 + 3 * i] += weight @ (count * count)
-        self._history[slot] = (pre[-_LONGEST:], fin[-_LONGEST:], runs[-_LONGEST:])
+            fk = f * count
+            row[_PER_SPAN * i : _PER_SPAN * (i + 1)] += (
+                f.sum(),
+                fk.sum(),
+                fk @ count,
+                f @ share,
+                f @ (share * share),
+                fk @ share,
+            )
+        self._history[slot] = rows[-_KEEP:]
         bucket = int(math.floor(now / self.bucket_s))
         pos = bucket % self._ring.shape[0]
         if self._bucket_id[pos] != bucket:
@@ -160,29 +212,30 @@ class EarlyPrefillEstimator:
 
     def measured(self, now: float) -> EarlyPrefills | None:
         """The lift and overdispersion per span over the window (None: too few
-        prompts finished, or no prefill pass, to tell)."""
+        prompts finished to tell, or the streams had a backlog)."""
         bucket = int(math.floor(now / self.bucket_s))
-        inside = (self._bucket_id >= 0) & (self._bucket_id > bucket - self._n_window)
-        totals = self._ring[inside & (self._bucket_id <= bucket)].sum(axis=0)
-        if totals[_PASSES] <= 0.0 or totals[_PREFILL_PASSES] <= 0.0:
-            return None
-        share = totals[_PREFILL_PASSES] / totals[_PASSES]
+        inside = (self._bucket_id > bucket - self._n_window) & (self._bucket_id <= bucket)
+        totals = self._ring[inside].sum(axis=0)
+        if totals[_WAITING] >= totals[_PASSES]:
+            return None  # a backlog over the window: see the module docstring
         spans: list[int] = []
         lifts: list[float] = []
         rhos: list[float] = []
         for i, m in enumerate(SPANS):
-            n, s1, s2 = totals[2 + 3 * i : 5 + 3 * i]
-            if n < MIN_FINISHED:
+            n, s1, s2, e1, e2, x = totals[_PER_SPAN * i : _PER_SPAN * (i + 1)]
+            if n < MIN_FINISHED or e1 <= 0.0:
                 continue
-            mean = s1 / n
-            q = min(mean / m, 1.0)
+            # K against m times its stream's share scaled by the lift: the lift
+            # that fits the mean, and what K varies by beyond a binomial there.
+            lift = s1 / (m * e1)
             spans.append(m)
-            lifts.append(q / share)
-            if m == 1 or q <= 0.0 or q >= 1.0:
+            lifts.append(lift)
+            binomial = m * (lift * e1 - lift * lift * e2)
+            if m == 1 or binomial <= 0.0:
                 rhos.append(0.0)
                 continue
-            var = max(s2 / n - mean * mean, 0.0)
-            rhos.append(min(max((var / (m * q * (1.0 - q)) - 1.0) / (m - 1), 0.0), 1.0))
+            residual = s2 - 2.0 * m * lift * x + m * m * lift * lift * e2
+            rhos.append(min(max((residual / binomial - 1.0) / (m - 1), 0.0), 1.0))
         if not spans:
             return None
         if len(rhos) > 1 and spans[0] == 1:

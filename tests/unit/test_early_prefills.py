@@ -9,10 +9,13 @@ import pytest
 from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics, heartbeat
 from stepscale_operator.early_prefills import (
     MIN_FINISHED,
+    SHARE_PASSES,
     SPANS,
     EarlyPrefillEstimator,
+    EarlyPrefills,
     beta_binomial_pmf,
 )
+from stepscale_operator.itl_quantile import PrefillPassChain
 from stepscale_operator.load_estimate import LoadEstimator
 
 
@@ -24,45 +27,69 @@ def _clumped(cycles: int, gap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return np.full(prefill.shape, 0.02), prefill, finished
 
 
-def test_a_clump_mate_prefilled_next_lifts_the_first_passes_over_the_share_at_large() -> None:
-    wall, prefill, finished = _clumped(200, 18)  # 2 prefill passes in 20: share 0.1
+def test_a_clump_mate_prefilled_next_lifts_the_first_passes_over_the_share() -> None:
+    wall, prefill, finished = _clumped(400, 18)  # 2 prefill passes in 20: share 0.1
     est = EarlyPrefillEstimator(window_s=30.0)
-    est.observe(0, wall, prefill, finished, now=10.0)
+    est.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=10.0)
     early = est.measured(10.0)
     assert early is not None
     assert early.spans == SPANS
     # After the first of a pair the next pass is prefill (1 in 1), after the second
-    # none for 18: over one pass half of the finished prompts meet a prefill pass.
+    # none for 18: over one pass half of the finished prompts meet a prefill pass,
+    # five times the share (a little less: the share is taken up to the prompt's
+    # own pass, which carries prefill, and a stream's first passes have few before).
     lift_1, _ = early.at(1)
-    assert lift_1 == pytest.approx(0.5 / 0.1)
+    assert lift_1 == pytest.approx(0.5 / 0.1, rel=0.05)
     # Over 16 passes the first of a pair meets its mate, the second none: K is 1
     # or 0, less variable than a binomial of that share, so no overdispersion.
     lift_16, rho_16 = early.at(16)
-    assert lift_16 == pytest.approx(0.5 / 16 / 0.1)
+    assert lift_16 == pytest.approx(0.5 / 16 / 0.1, rel=0.05)
     assert rho_16 == 0.0
+    want = _reference(wall, prefill, finished, np.zeros(wall.shape))
+    for m, lift in zip(early.spans, early.lift, strict=True):
+        assert lift == pytest.approx(want[m][0])
+
+
+def test_each_prompt_is_judged_against_its_own_streams_share() -> None:
+    # Two replicas: one busy with prefill (every other pass), one that rarely
+    # prefills; on neither does a prompt meet more prefill than its replica's
+    # share, though pooled the busy one's prompts meet far more than the mean.
+    busy = np.tile([1.0, 0.0], 2000)
+    quiet = np.tile(np.r_[1.0, np.zeros(39)], 100)
+    est = EarlyPrefillEstimator()
+    for slot, pre in ((0, busy), (1, quiet)):
+        est.observe(slot, np.full(pre.shape, 0.02), pre, pre, np.zeros(pre.shape), now=2.0)
+    early = est.measured(2.0)
+    assert early is not None
+    lift_2, _ = early.at(2)  # two passes: exactly one prefill on the busy replica
+    assert lift_2 == pytest.approx(1.0, rel=0.05)
 
 
 def _reference(
-    wall: np.ndarray, prefill: np.ndarray, finished: np.ndarray
+    wall: np.ndarray, prefill: np.ndarray, finished: np.ndarray, waiting: np.ndarray
 ) -> dict[int, tuple[float, float]]:
-    """(lift, rho) per span, counted prompt by prompt."""
-    run = np.cumsum(wall <= 0.0)[wall > 0.0]
-    pre = (prefill[wall > 0.0] > 0).astype(float)
-    fin = finished[wall > 0.0]
-    share = pre.mean()
+    """(lift, rho) per span, counted prompt by prompt against its stream's share,
+    from its stream's SHARE_PASSES-th pass on and outside a backlog."""
+    passes = wall > 0.0
+    run = np.cumsum(wall <= 0.0)[passes]
+    pre = (prefill[passes] > 0).astype(float)
+    fin, wait = finished[passes], waiting[passes]
     out = {}
     for m in SPANS:
-        counts, weights = [], []
-        for j in range(pre.size - m):
-            if fin[j] > 0 and run[j] == run[j + m]:
+        counts, weights, shares = [], [], []
+        for j in range(SHARE_PASSES - 1, pre.size - m):
+            last = slice(j + 1 - SHARE_PASSES, j + 1)
+            if fin[j] > 0 and run[j] == run[j + m] and wait[last].mean() < 1.0:
                 counts.append(pre[j + 1 : j + 1 + m].sum())
                 weights.append(fin[j])
-        k, w = np.array(counts), np.array(weights)
-        mean = (w @ k) / w.sum()
-        var = (w @ k**2) / w.sum() - mean**2
-        q = mean / m
-        rho = 0.0 if m == 1 else max((var / (m * q * (1 - q)) - 1) / (m - 1), 0.0)
-        out[m] = (q / share, rho)
+                shares.append(pre[last].mean())
+        k, w, s = np.array(counts), np.array(weights), np.array(shares)
+        lift = (w @ k) / (m * (w @ s))
+        q = lift * s
+        residual = w @ (k - m * q) ** 2
+        binomial = w @ (m * q * (1 - q))
+        rho = 0.0 if m == 1 else min(max((residual / binomial - 1) / (m - 1), 0.0), 1.0)
+        out[m] = (lift, rho)
     return out
 
 
@@ -74,11 +101,13 @@ def test_each_span_counts_the_prefill_passes_after_every_finished_prompt() -> No
         pre[i] = rng.random() < (0.5 if pre[i - 1] else 0.06)
     finished = pre * rng.integers(1, 3, pre.size)
     wall = np.where(rng.random(pre.size) < 0.005, 0.0, 0.02)
+    # A backlog over the middle third: its prompts are left out.
+    waiting = np.where((np.arange(pre.size) > 2000) & (np.arange(pre.size) < 4000), 2.0, 0.0)
     est = EarlyPrefillEstimator()
-    est.observe(0, wall, pre, finished, now=3.0)
+    est.observe(0, wall, pre, finished, waiting, now=3.0)
     early = est.measured(3.0)
     assert early is not None
-    want = _reference(wall, pre, finished)
+    want = _reference(wall, pre, finished, waiting)
     rhos = dict(zip(early.spans, early.overdispersion, strict=True))
     for m, lift in zip(early.spans, early.lift, strict=True):
         assert lift == pytest.approx(want[m][0])
@@ -88,20 +117,48 @@ def test_each_span_counts_the_prefill_passes_after_every_finished_prompt() -> No
     assert rhos[2] == rhos[1]  # one pass has none; the span of 2 stands for it
 
 
+def test_a_backlog_and_a_stream_s_first_passes_are_not_counted() -> None:
+    # A replica whose queue holds prompts all along prefills one after another: a
+    # finished prompt always meets the next, but that is the backlog, not how
+    # prompts come. Nor does a stream count before it has a share of its own.
+    wall, prefill, finished = _clumped(400, 18)
+    est = EarlyPrefillEstimator()
+    est.observe(0, wall, prefill, finished, np.full(wall.shape, 2.0), now=1.0)
+    assert est.measured(1.0) is None
+    # A backlog that grew only lately (its stream's last passes had room on
+    # average) still says the window's passes served a backlog: nothing measured.
+    late = EarlyPrefillEstimator()
+    waiting = np.where(np.arange(wall.size) > 0.6 * wall.size, 3.0, 0.0)
+    late.observe(0, wall, prefill, finished, waiting, now=1.0)
+    assert late.measured(1.0) is None
+    calm = EarlyPrefillEstimator()
+    calm.observe(0, wall, prefill, finished, np.where(waiting > 0, 0.5, 0.0), now=1.0)
+    assert calm.measured(1.0) is not None
+    young = EarlyPrefillEstimator()
+    n = SHARE_PASSES - 1  # a prompt finishing on each, enough to count were it older
+    young.observe(0, np.full(n, 0.02), np.ones(n), np.ones(n), np.zeros(n), now=1.0)
+    assert young.measured(1.0) is None
+    young.observe(0, np.full(200, 0.02), np.ones(200), np.ones(200), np.zeros(200), now=1.0)
+    assert young.measured(1.0) is not None
+
+
 def test_batches_split_anywhere_give_what_one_batch_gives() -> None:
     rng = np.random.default_rng(3)
     prefill = (rng.random(4000) < 0.2).astype(float)
     finished = prefill * rng.integers(1, 3, 4000)
     wall = np.where(rng.random(4000) < 0.01, 0.0, 0.02)  # a few heartbeats
+    waiting = rng.integers(0, 3, 4000).astype(float)  # a backlog now and then
     whole = EarlyPrefillEstimator()
-    whole.observe(7, wall, prefill, finished, now=5.0)
+    whole.observe(7, wall, prefill, finished, waiting, now=5.0)
     split = EarlyPrefillEstimator()
     cuts = [0, 1, 33, 34, 500, 1777, 4000]
     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-        split.observe(7, wall[lo:hi], prefill[lo:hi], finished[lo:hi], now=5.0)
+        split.observe(7, wall[lo:hi], prefill[lo:hi], finished[lo:hi], waiting[lo:hi], now=5.0)
     a, b = whole.measured(5.0), split.measured(5.0)
     assert a is not None and b is not None
-    assert a == b
+    assert a.spans == b.spans
+    assert a.lift == pytest.approx(b.lift, rel=1e-12)
+    assert a.overdispersion == pytest.approx(b.overdispersion, rel=1e-9, abs=1e-12)
 
 
 def test_a_heartbeat_ends_the_passes_a_finished_prompt_is_counted_over() -> None:
@@ -112,7 +169,8 @@ def test_a_heartbeat_ends_the_passes_a_finished_prompt_is_counted_over() -> None
     cycle_fin = np.r_[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     est = EarlyPrefillEstimator()
     n = int(MIN_FINISHED) + 10
-    est.observe(0, np.tile(cycle_wall, n), np.tile(cycle_pre, n), np.tile(cycle_fin, n), 1.0)
+    wall, pre, fin = np.tile(cycle_wall, n), np.tile(cycle_pre, n), np.tile(cycle_fin, n)
+    est.observe(0, wall, pre, fin, np.zeros(wall.shape), 1.0)
     early = est.measured(1.0)
     # Every finished prompt is followed by a heartbeat: no span can be counted.
     assert early is None
@@ -121,7 +179,7 @@ def test_a_heartbeat_ends_the_passes_a_finished_prompt_is_counted_over() -> None
 def test_prompts_outside_the_window_are_forgotten() -> None:
     wall, prefill, finished = _clumped(200, 18)
     est = EarlyPrefillEstimator(window_s=10.0)
-    est.observe(0, wall, prefill, finished, now=1.0)
+    est.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
     assert est.measured(5.0) is not None
     assert est.measured(12.0) is None
 
@@ -139,6 +197,20 @@ def test_beta_binomial_has_the_moments_it_is_matched_to() -> None:
     assert binomial == pytest.approx(
         [0.75**4, 4 * 0.25 * 0.75**3, 6 * 0.25**2 * 0.75**2, 4 * 0.25**3 * 0.75, 0.25**4]
     )
+
+
+def test_the_chain_meets_the_measured_lift_after_the_first_token() -> None:
+    chain = PrefillPassChain.of(0.05, 0.2)
+    early = EarlyPrefills((1, 4, 16), (4.0, 2.0, 1.5), (0.3, 0.3, 0.1))
+    dists = chain.after_first_token(16, early)
+    assert dists[0] @ np.arange(2) == pytest.approx(0.05 * 4.0)
+    assert dists[3] @ np.arange(5) == pytest.approx(4 * 0.05 * 2.0)
+    # Between spans: linear in log m (m = 8: halfway from 4 to 16).
+    assert dists[7] @ np.arange(9) == pytest.approx(8 * 0.05 * 1.75)
+    # Unmeasured: the chain from its stationary state, as before.
+    plain = chain.after_first_token(16, None)
+    for got, want in zip(plain, chain.count_distributions(16), strict=True):
+        assert got == pytest.approx(want)
 
 
 def _pass(counter: int, prefill_reqs: int, tokens: int = 100) -> ForwardPassMetrics:
