@@ -19,6 +19,19 @@ with ``D`` the arrival dispersion and ``cv2`` that of the prefill service (the s
 variance the normal approximation uses). The count ``K_m`` of prefill passes among
 a short request's ``m`` intervals is computed exactly on that chain.
 
+A request's first passes are no stationary draw, though: it comes out of its own
+prefill, and the prompts queued behind it or sent with it (a clump of parallel
+calls) are prefilled next. Where the streams measure it
+(:mod:`~stepscale_operator.early_prefills`: over the passes right after each
+finished prefill, the share that carry prefill over the share at large, and how
+much more that count varies than a binomial's), the count among a short
+request's ``m`` intervals is a beta-binomial of the chain's share times that
+lift and of that overdispersion. On held fleets of the simulator this took the
+p99 ITL's median error on silence-burst at 3 replicas from -30.7% to -8.4% and
+on bursty code at 6 from -18.8% to -7.3%, and the share of requests above the
+predicted p99 from 2.2% and 2.0% to 1.4% and 1.6% (the trace, heavy prompts and
+long context within 0.7 points of before).
+
 Long outputs average many passes, but not so many that every prompt is alike:
 where prompts vary in length (a few of many chunks among many short ones), the
 extra time a long request's passes carry is a compound sum, skewed by the rare
@@ -64,6 +77,7 @@ from statistics import NormalDist
 import numpy as np
 import numpy.typing as npt
 
+from stepscale_operator.early_prefills import EarlyPrefills, beta_binomial_pmf
 from stepscale_operator.quantile_search import FloatArray, exceedance_quantile_on_grid
 
 
@@ -104,6 +118,21 @@ class PrefillPassChain:
             npf[1:] = decode[:-1] * self.enter + prefill[:-1] * self.stay
             decode, prefill = nd, npf
             out.append(decode[: m + 1] + prefill[: m + 1])
+        return out
+
+    def after_first_token(
+        self, longest: int, early: EarlyPrefills | None
+    ) -> list[npt.NDArray[np.float64]]:
+        """As :meth:`count_distributions`, for the passes right after a request's
+        first token: where the streams measured them (``early``), a beta-binomial
+        of the chain's share times the measured lift and of the measured
+        overdispersion; else the chain from its stationary state."""
+        if early is None:
+            return self.count_distributions(longest)
+        out = []
+        for m in range(1, longest + 1):
+            lift, rho = early.at(m)
+            out.append(beta_binomial_pmf(m, min(self.share * lift, 1.0), rho))
         return out
 
 
@@ -185,6 +214,7 @@ def itl_distribution(
     prompts: PromptMix | None = None,
     mean_intervals: float = 0.0,
     own_context: tuple[tuple[float, float], ...] = ((0.0, 1.0),),
+    early: EarlyPrefills | None = None,
 ) -> ItlDistribution:
     """The ITL of requests with an ITL, as a distribution.
 
@@ -200,6 +230,8 @@ def itl_distribution(
     ``own_context`` holds (seconds, share): what a request's own KV adds to each of
     its passes over the mean request's, and the share of requests that long (see
     the module docstring); the ITL is the mixture of the distributions so shifted.
+    ``early``, where measured, gives short outputs the prefill passes a request
+    meets right after its first token (:meth:`PrefillPassChain.after_first_token`).
     """
     points: list[tuple[int, float]] = []  # (intervals, share of requests)
     last = 0
@@ -229,7 +261,7 @@ def itl_distribution(
     values: list[npt.NDArray[np.float64]] = []
     weights: list[npt.NDArray[np.float64]] = []
     if exact:
-        dists = chain.count_distributions(max(m for m, _ in exact))
+        dists = chain.after_first_token(max(m for m, _ in exact), early)
         for m, share in exact:
             values.append(passes.decode_s + extra * np.arange(m + 1) / m)
             weights.append(share * dists[m - 1])

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from stepscale_engine.wire import ScheduledRequestMetrics
+from stepscale_operator.early_prefills import EarlyPrefills
 from stepscale_operator.itl_quantile import (
     ItlDistribution,
     PassTimes,
@@ -154,6 +155,9 @@ class PerReplicaLoad:
     # Replicas serving when the estimate was measured (0: unknown); the deficit and
     # the replica dispersion are carried from there to other counts.
     measured_replicas: int = 0
+    # The prefill passes a request meets right after its first token, against the
+    # share at large (None: not measured; see early_prefills).
+    early_prefills: EarlyPrefills | None = None
 
     @classmethod
     def from_estimate(cls, load: LoadEstimate, replicas: int) -> PerReplicaLoad:
@@ -180,6 +184,7 @@ class PerReplicaLoad:
             ),
             prefill_pass_decode_deficit=max(load.prefill_pass_decode_deficit, 0.0),
             measured_replicas=max(load.streams_total - load.streams_missing, 0),
+            early_prefills=load.early_prefills,
             output_intervals=tuple(
                 (first, last, share)
                 for (first, last), share in zip(
@@ -686,6 +691,7 @@ def _itl_tail(
         # Decode tokens per prompt: the mean count of intervals.
         load.decode_tokens_per_s / rate if rate > 0.0 else 0.0,
         own_context,
+        load.early_prefills,
     )
     return itl, exposure
 

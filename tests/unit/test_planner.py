@@ -1750,6 +1750,34 @@ def test_the_itl_miss_share_is_the_share_of_requests_above_the_limit() -> None:
     assert predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), 2).itl_miss_share == 0.0
 
 
+def test_short_outputs_that_meet_prefills_right_after_their_first_token_are_slower() -> None:
+    # Where the streams measured that a request's first passes carry prefill more
+    # often than passes at large (prompts queued behind it, its own clump), the p99
+    # ITL of short outputs rises with that lift; the lift scales the share the model
+    # predicts, so more replicas still bring it down.
+    from stepscale_operator.early_prefills import SPANS, EarlyPrefills
+
+    shares = (1.0 / len(OUTPUT_INTERVAL_BINS),) * len(OUTPUT_INTERVAL_BINS)
+    base = replace(load_of(4.0, output=20.0), output_interval_shares=shares)
+
+    def p99(lift: float, rho: float, replicas: int = 2, measured: bool = True) -> float:
+        early = EarlyPrefills(SPANS, (lift,) * len(SPANS), (rho,) * len(SPANS))
+        load = replace(base, early_prefills=early if measured else None)
+        per = PerReplicaLoad.from_estimate(load, replicas)
+        return predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), replicas).itl_ms
+
+    assert p99(1.0, 0.0) < p99(2.0, 0.0) < p99(3.0, 0.0)
+    assert p99(2.0, 0.0) < p99(2.0, 0.3)  # the same mean, clumped: a longer tail
+    assert p99(3.0, 0.3, replicas=4) < p99(3.0, 0.3, replicas=2)
+    # Unmeasured: the chain from its stationary share, as before the measurement.
+    assert (
+        p99(1.0, 0.0, measured=False)
+        == predict_latency(
+            LinearStepTime(), PerReplicaLoad.from_estimate(base, 2), ENGINE, PlannerPolicy(), 2
+        ).itl_ms
+    )
+
+
 def test_a_learned_correction_moves_the_miss_shares_with_the_latencies() -> None:
     # The closed loop learned that latencies run twice the model's: a request the
     # model puts at half the limit is at the limit, so the misses are judged there.
