@@ -64,7 +64,8 @@ SPANS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 # against the window, so a replica that just joined or was just left idle is
 # judged by its own recent passes.
 SHARE_PASSES = 512
-_KEEP = SHARE_PASSES + SPANS[-1]
+_LONGEST = SPANS[-1]
+_KEEP = SHARE_PASSES + _LONGEST
 # Columns of a bucket per span: sum f, f K, f K^2, f s, f s^2, f K s over the finished
 # prompts f (weights), their counts K and their stream's share s; then the passes
 # and the prompts waiting summed over them.
@@ -72,6 +73,8 @@ _PER_SPAN = 6
 _PASSES = _PER_SPAN * len(SPANS)
 _WAITING = _PASSES + 1
 _N_COLS = _WAITING + 1
+# Passes a stream buffers before they are counted (see EarlyPrefillEstimator).
+_RUN = 1024
 # Fewer finished prompts than this in the window at a span say nothing of its tail.
 MIN_FINISHED = 100.0
 
@@ -121,7 +124,11 @@ def beta_binomial_pmf(m: int, share: float, rho: float) -> FloatArray:
 
 class EarlyPrefillEstimator:
     """Per-span sums over a sliding window of ``bucket_s`` buckets (see the module
-    docstring). Streams are numbered slots, as the load estimator keeps them."""
+    docstring). Streams are numbered slots, as the load estimator keeps them.
+
+    A stream's passes are buffered and counted in runs of at least :data:`_RUN`
+    (or when :meth:`measured` is asked), so the per-call cost is paid rarely; a
+    run's sums go to the bucket of its last message."""
 
     def __init__(self, window_s: float = 30.0, bucket_s: float = 1.0) -> None:
         self.window_s = float(window_s)
@@ -134,9 +141,13 @@ class EarlyPrefillEstimator:
         self._history: dict[int, FloatArray] = {}
         self._run: dict[int, int] = {}  # per slot: its current run of passes
         self._seen: dict[int, int] = {}  # per slot: passes seen
+        self._pending: dict[int, list[FloatArray]] = {}  # per slot: passes not counted yet
+        self._pending_rows: dict[int, int] = {}
+        self._pending_time: dict[int, float] = {}  # per slot: its last message's time
 
     def forget(self, slot: int) -> None:
         """Drop a stream's history (its pod is gone, or the slot is reused)."""
+        self._flush(slot)
         self._history.pop(slot, None)
         self._run.pop(slot, None)
         self._seen.pop(slot, None)
@@ -156,53 +167,75 @@ class EarlyPrefillEstimator:
         if wall.shape[0] == 0:
             return
         beat = wall <= 0.0
-        run = self._run.get(slot, 0) + np.cumsum(beat)
-        self._run[slot] = int(run[-1])
-        passes = ~beat
-        if not passes.any():
-            return
-        new = np.column_stack(
-            [
-                (prefill[passes] > 0.0).astype(np.float64),
-                finished[passes],
-                waiting[passes],
-                run[passes].astype(np.float64),
-            ]
+        current = self._run.get(slot, 0)
+        if beat.any():  # heartbeats: the passes after each belong to a new run
+            run = current + np.cumsum(beat)
+            self._run[slot] = int(run[-1])
+            passes = ~beat
+            if not passes.any():
+                return
+            prefill, finished, waiting = prefill[passes], finished[passes], waiting[passes]
+            runs = run[passes].astype(np.float64)
+        else:
+            runs = np.full(wall.shape[0], float(current))
+        self._pending.setdefault(slot, []).append(
+            np.concatenate([prefill > 0.0, finished, waiting, runs])
         )
+        self._pending_rows[slot] = self._pending_rows.get(slot, 0) + runs.shape[0]
+        self._pending_time[slot] = now
+        if self._pending_rows[slot] >= _RUN:
+            self._flush(slot)
+
+    def _flush(self, slot: int) -> None:
+        """Count a stream's buffered passes (every span at once)."""
+        pending = self._pending.pop(slot, None)
+        self._pending_rows.pop(slot, None)
+        now = self._pending_time.pop(slot, None)
+        if not pending or now is None:
+            return
         old = self._history.get(slot, np.zeros((0, 4)))
-        rows = np.concatenate([old, new])
+        # Each buffered call is its four columns end to end.
+        rows = np.concatenate([old, *(p.reshape(4, -1).T for p in pending)])
         pre, fin, runs = rows[:, 0], rows[:, 1], rows[:, 3]
-        kept = old.shape[0]
+        kept, end = old.shape[0], rows.shape[0]
         # Stream pass number of each row: a prompt counts once its stream has
         # SHARE_PASSES passes up to it, so its share and backlog are known.
         first_number = self._seen.get(slot, 0) - kept
-        self._seen[slot] = first_number + rows.shape[0]
+        self._seen[slot] = first_number + end
+        self._history[slot] = rows[-_KEEP:]
+        # Prompts whose last counted pass is new: finished in j, span m, j + m >= kept.
+        lo = max(kept - _LONGEST, SHARE_PASSES - 1 - first_number, 0)
+        j = np.arange(lo, end - 1)
+        j = j[fin[j] > 0.0]
+        if j.size == 0:
+            return
         cum = np.concatenate([[0.0], np.cumsum(pre)])
         cum_waiting = np.concatenate([[0.0], np.cumsum(rows[:, 2])])
+        share = (cum[j + 1] - cum[j + 1 - SHARE_PASSES]) / SHARE_PASSES
+        # A backlog (a prompt or more waiting, on average): what follows a finish
+        # is the backlog, which a count with room would not have.
+        calm = cum_waiting[j + 1] - cum_waiting[j + 1 - SHARE_PASSES] < SHARE_PASSES
+        spans = np.array(SPANS)
+        last = j[:, None] + spans[None, :]  # (prompts, spans)
+        inside = (last < end) & (last >= kept)
+        last = np.minimum(last, end - 1)
+        counted = inside & calm[:, None] & (runs[last] == runs[j][:, None])
+        f = np.where(counted, fin[j][:, None], 0.0)
+        count = cum[last + 1] - cum[j + 1][:, None]
+        fk = f * count
         row = np.zeros(_N_COLS)
-        row[_PASSES] = new.shape[0]
-        row[_WAITING] = new[:, 2].sum()
-        for i, m in enumerate(SPANS):
-            # Prompts whose m passes end in this batch (earlier ones were counted).
-            j = np.arange(max(kept - m, SHARE_PASSES - 1 - first_number, 0), pre.shape[0] - m)
-            if j.size == 0:
-                continue
-            share = (cum[j + 1] - cum[j + 1 - SHARE_PASSES]) / SHARE_PASSES
-            # A backlog (a prompt or more waiting, on average): what follows a
-            # finish is the backlog, which a count with room would not have.
-            backlog = cum_waiting[j + 1] - cum_waiting[j + 1 - SHARE_PASSES] >= SHARE_PASSES
-            f = np.where((runs[j] == runs[j + m]) & ~backlog, fin[j], 0.0)
-            count = cum[j + 1 + m] - cum[j + 1]
-            fk = f * count
-            row[_PER_SPAN * i : _PER_SPAN * (i + 1)] += (
-                f.sum(),
-                fk.sum(),
-                fk @ count,
-                f @ share,
-                f @ (share * share),
-                fk @ share,
-            )
-        self._history[slot] = rows[-_KEEP:]
+        per_span = row[:_PASSES].reshape(len(SPANS), _PER_SPAN)
+        per_span[:, 0] = f.sum(axis=0)
+        per_span[:, 1] = fk.sum(axis=0)
+        per_span[:, 2] = (fk * count).sum(axis=0)
+        per_span[:, 3] = share @ f
+        per_span[:, 4] = (share * share) @ f
+        per_span[:, 5] = share @ fk
+        row[_PASSES] = end - kept
+        row[_WAITING] = rows[kept:, 2].sum()
+        self._add(row, now)
+
+    def _add(self, row: FloatArray, now: float) -> None:
         bucket = int(math.floor(now / self.bucket_s))
         pos = bucket % self._ring.shape[0]
         if self._bucket_id[pos] != bucket:
@@ -213,6 +246,8 @@ class EarlyPrefillEstimator:
     def measured(self, now: float) -> EarlyPrefills | None:
         """The lift and overdispersion per span over the window (None: too few
         prompts finished to tell, or the streams had a backlog)."""
+        for slot in list(self._pending):
+            self._flush(slot)
         bucket = int(math.floor(now / self.bucket_s))
         inside = (self._bucket_id > bucket - self._n_window) & (self._bucket_id <= bucket)
         totals = self._ring[inside].sum(axis=0)
