@@ -203,6 +203,39 @@ def test_status_is_json_and_nothing_would_be_pruned() -> None:
     }
 
 
+def test_status_shows_how_often_a_requests_first_passes_carry_prefill() -> None:
+    from stepscale_operator.controller.status import load_status
+    from stepscale_operator.early_prefills import SPANS, EarlyPrefills
+
+    status = fitted_status()
+    assert status["load"]["earlyPrefillLift"] is None  # too few prompts to tell
+    load = replace(
+        LoadEstimate(
+            window_s=30.0,
+            streams_total=2,
+            streams_missing=0,
+            prefill_tokens_per_s=1000.0,
+            prefill_cached_tokens_per_s=0.0,
+            prefill_requests_per_s=1.0,
+            decode_tokens_per_s=200.0,
+            mean_prompt_tokens=1000.0,
+            mean_decode_context_tokens=1100.0,
+            prefix_cache_hit_fraction=0.0,
+            queued_prefill_requests=0.0,
+            queued_prefill_tokens=0.0,
+            queued_decode_requests=0.0,
+        ),
+        early_prefills=EarlyPrefills(SPANS, (4.12345, 3.0, 2.5, 2.0, 1.5, 1.2), (0.3,) * 6),
+    )
+    shown = load_status(load)
+    assert shown is not None
+    assert shown["earlyPrefillLift"] == [4.123, 3.0, 2.5, 2.0, 1.5, 1.2]
+    stored = drop_nulls({**status, "load": shown})
+    status_schema = schema()["properties"]["status"]
+    assert pruned(stored, status_schema) == stored
+    assert types_ok(stored, status_schema) == []
+
+
 class _LinearStepTime:
     def predict(self, sched: ScheduledRequestMetrics) -> float:
         return 0.006 + 30e-6 * sched.sum_prefill_tokens + 40e-9 * sched.sum_decode_kv_tokens

@@ -186,6 +186,9 @@ _LOAD_FIELDS = {
     "arrival_dispersion": "arrivalDispersion",
     "replica_arrival_dispersion": "replicaArrivalDispersion",
     "prefill_pass_decode_deficit": "prefillPassDecodeDeficit",
+    # Per span of 1, 2, 4, 8, 16, 32 passes after a prompt's first token: how much
+    # more often they carry prefill than its replica's passes at large.
+    "early_prefills": "earlyPrefillLift",
 }
 
 
@@ -200,6 +203,8 @@ def load_status(load: LoadEstimate | None) -> dict[str, Any] | None:
             continue
         if name == "missingStreams" and isinstance(value, list):
             out[name] = stream_names([str(v) for v in value])
+        elif name == "earlyPrefillLift" and isinstance(value, list):
+            out[name] = [finite(float(v), 3) for v in value]
         elif isinstance(value, bool | int | list):
             out[name] = value
         else:
