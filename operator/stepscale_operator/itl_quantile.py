@@ -27,10 +27,10 @@ finished prefill, the share that carry prefill over the share at large, and how
 much more that count varies than a binomial's), the count among a short
 request's ``m`` intervals is a beta-binomial of the chain's share times that
 lift and of that overdispersion. On held fleets of the simulator this took the
-p99 ITL's median error on silence-burst at 3 replicas from -30.7% to -8.4% and
-on bursty code at 6 from -18.8% to -7.3%, and the share of requests above the
-predicted p99 from 2.2% and 2.0% to 1.4% and 1.6% (the trace, heavy prompts and
-long context within 0.7 points of before).
+p99 ITL's median error on silence-burst at 3 replicas from -30.7% to -11.9% and
+on bursty code at 6 from -18.8% to -10.7%, and the share of requests above the
+predicted p99 from 2.2% and 2.0% to 1.5% and 1.6% (the trace, heavy prompts and
+long context within 0.7 points of before; docs/planner-history.md).
 
 Long outputs average many passes, but not so many that every prompt is alike:
 where prompts vary in length (a few of many chunks among many short ones), the
