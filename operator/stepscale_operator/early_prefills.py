@@ -90,11 +90,14 @@ class EarlyPrefills:
     def at(self, m: int) -> tuple[float, float]:
         """(lift, rho) at ``m`` intervals: linear in log m between the measured
         spans, the nearest beyond them."""
-        x = math.log(max(m, 1))
-        logs = [math.log(s) for s in self.spans]
-        lift = float(np.interp(x, logs, self.lift))
-        rho = float(np.interp(x, logs, self.overdispersion))
-        return lift, rho
+        lift, rho = self.up_to(m)
+        return float(lift[-1]), float(rho[-1])
+
+    def up_to(self, longest: int) -> tuple[FloatArray, FloatArray]:
+        """(lift, rho) at 1..``longest`` intervals, as :meth:`at` gives each."""
+        x = np.log(np.arange(1, max(longest, 1) + 1))
+        logs = np.log(np.array(self.spans, dtype=np.float64))
+        return np.interp(x, logs, self.lift), np.interp(x, logs, self.overdispersion)
 
 
 def beta_binomial_pmf(m: int, share: float, rho: float) -> FloatArray:
@@ -120,6 +123,35 @@ def beta_binomial_pmf(m: int, share: float, rho: float) -> FloatArray:
     )
     p = np.exp(log_choose + lbeta - lbeta_ab)
     return p / p.sum()
+
+
+def beta_binomial_rows(shares: FloatArray, rhos: FloatArray) -> FloatArray:
+    """:func:`beta_binomial_pmf` for m = 1..M at once (M = ``shares.size``): row
+    ``m - 1`` holds P(K = k), k = 0..m, of share ``shares[m - 1]`` and correlation
+    ``rhos[m - 1]``, zero beyond ``m``. By the ratio of consecutive terms, in logs:
+    the planner asks for every short span at every count it weighs."""
+    longest = shares.size
+    m = np.arange(1, longest + 1, dtype=np.float64)[:, None]
+    k = np.arange(longest, dtype=np.float64)[None, :]  # P(k + 1) / P(k)
+    q = np.clip(shares, 1e-12, 1.0 - 1e-12)[:, None]
+    rho = np.clip(rhos, 0.0, 1.0 - 1e-9)[:, None]
+    below = k < m
+    safe_m = np.where(below, m, k + 1.0)  # rows' unused terms kept finite
+    binomial_step = np.log((safe_m - k) / (k + 1.0) * q / (1.0 - q))
+    binomial_first = m[:, 0] * np.log1p(-q[:, 0])
+    total = np.where(rho > 1e-9, 1.0 / np.maximum(rho, 1e-9) - 1.0, 1.0)  # alpha + beta
+    a, b = q * total, (1.0 - q) * total
+    beta_step = np.log((safe_m - k) * (k + a) / ((k + 1.0) * (safe_m - k - 1.0 + b)))
+    beta_first = np.where(below, np.log(b + k) - np.log(total + k), 0.0).sum(axis=1)
+    beta = (rho[:, 0] > 1e-9) & (m[:, 0] > 1.0)
+    step = np.where(below, np.where(beta[:, None], beta_step, binomial_step), 0.0)
+    first = np.where(beta, beta_first, binomial_first)
+    logp = first[:, None] + np.concatenate(
+        [np.zeros((longest, 1)), np.cumsum(step, axis=1)], axis=1
+    )
+    inside = np.arange(longest + 1)[None, :] <= m
+    p = np.where(inside, np.exp(np.where(inside, logp, 0.0)), 0.0)
+    return p / p.sum(axis=1, keepdims=True)
 
 
 class EarlyPrefillEstimator:

@@ -77,7 +77,7 @@ from statistics import NormalDist
 import numpy as np
 import numpy.typing as npt
 
-from stepscale_operator.early_prefills import EarlyPrefills, beta_binomial_pmf
+from stepscale_operator.early_prefills import EarlyPrefills, beta_binomial_rows
 from stepscale_operator.quantile_search import FloatArray, exceedance_quantile_on_grid
 
 
@@ -129,11 +129,9 @@ class PrefillPassChain:
         overdispersion; else the chain from its stationary state."""
         if early is None:
             return self.count_distributions(longest)
-        out = []
-        for m in range(1, longest + 1):
-            lift, rho = early.at(m)
-            out.append(beta_binomial_pmf(m, min(self.share * lift, 1.0), rho))
-        return out
+        lift, rho = early.up_to(longest)
+        rows = beta_binomial_rows(np.minimum(self.share * lift, 1.0), rho)
+        return [rows[m - 1, : m + 1] for m in range(1, longest + 1)]
 
 
 @dataclass(frozen=True)

@@ -210,21 +210,7 @@ def test_status_shows_how_often_a_requests_first_passes_carry_prefill() -> None:
     status = fitted_status()
     assert status["load"]["earlyPrefillLift"] is None  # too few prompts to tell
     load = replace(
-        LoadEstimate(
-            window_s=30.0,
-            streams_total=2,
-            streams_missing=0,
-            prefill_tokens_per_s=1000.0,
-            prefill_cached_tokens_per_s=0.0,
-            prefill_requests_per_s=1.0,
-            decode_tokens_per_s=200.0,
-            mean_prompt_tokens=1000.0,
-            mean_decode_context_tokens=1100.0,
-            prefix_cache_hit_fraction=0.0,
-            queued_prefill_requests=0.0,
-            queued_prefill_tokens=0.0,
-            queued_decode_requests=0.0,
-        ),
+        _load(1.0, 2),
         early_prefills=EarlyPrefills(SPANS, (4.12345, 3.0, 2.5, 2.0, 1.5, 1.2), (0.3,) * 6),
     )
     shown = load_status(load)
@@ -241,9 +227,9 @@ class _LinearStepTime:
         return 0.006 + 30e-6 * sched.sum_prefill_tokens + 40e-9 * sched.sum_decode_kv_tokens
 
 
-def _decide(planner: Planner, t: float, rate: float, total: int) -> Decision:
-    """One planner decision at ``rate`` req/s (1000-token prompts, 200 out) on ``total``."""
-    load = LoadEstimate(
+def _load(rate: float, total: int) -> LoadEstimate:
+    """``rate`` req/s of 1000-token prompts and 200 output tokens on ``total`` streams."""
+    return LoadEstimate(
         window_s=30.0,
         streams_total=total,
         streams_missing=0,
@@ -258,6 +244,11 @@ def _decide(planner: Planner, t: float, rate: float, total: int) -> Decision:
         queued_prefill_tokens=0.0,
         queued_decode_requests=0.0,
     )
+
+
+def _decide(planner: Planner, t: float, rate: float, total: int) -> Decision:
+    """One planner decision at ``rate`` req/s (1000-token prompts, 200 out) on ``total``."""
+    load = _load(rate, total)
     return planner.decide(
         PlannerInputs(
             predictor=_LinearStepTime(),

@@ -14,6 +14,7 @@ from stepscale_operator.early_prefills import (
     EarlyPrefillEstimator,
     EarlyPrefills,
     beta_binomial_pmf,
+    beta_binomial_rows,
 )
 from stepscale_operator.itl_quantile import PrefillPassChain
 from stepscale_operator.load_estimate import LoadEstimator
@@ -197,6 +198,20 @@ def test_beta_binomial_has_the_moments_it_is_matched_to() -> None:
     assert binomial == pytest.approx(
         [0.75**4, 4 * 0.25 * 0.75**3, 6 * 0.25**2 * 0.75**2, 4 * 0.25**3 * 0.75, 0.25**4]
     )
+
+
+def test_all_spans_at_once_are_each_spans_beta_binomial() -> None:
+    rng = np.random.default_rng(5)
+    shares = rng.uniform(0.001, 0.6, 32)
+    rhos = rng.uniform(0.0, 0.9, 32)
+    rhos[[0, 3, 10]] = 0.0
+    shares[7] = 1.0  # every pass: all the mass at m
+    rows = beta_binomial_rows(shares, rhos)
+    for m in range(1, 33):
+        assert rows[m - 1, : m + 1] == pytest.approx(
+            beta_binomial_pmf(m, shares[m - 1], rhos[m - 1]), abs=1e-9
+        )
+        assert rows[m - 1, m + 1 :].sum() == 0.0
 
 
 def test_the_chain_meets_the_measured_lift_after_the_first_token() -> None:
