@@ -32,13 +32,16 @@ large. Per span, over the window, weighted by the prompts that finished:
 
 A prompt counts once its stream has :data:`SHARE_PASSES` passes up to it (a
 replica that just joined has no share yet: its first passes are all prefill), and
-not where prompts waited there on average over those passes; and nothing is
-measured where they waited, on average over the window's passes, on the streams
-together. That is a backlog, and what follows a finish in a backlog is the next
-prompt in it, which a count with room would not have: on silence-burst's first
-burst one replica's backlog read as a lift of 7 and an overdispersion of 1 and
-sent the planner to 26 replicas where 4 would do (the backlog rules size that
-fleet; the model goes back to its chain). An idle
+not where a prompt or more waited there on average over those passes' time; and
+nothing is measured where a prompt or more waited on average over the busy time
+of the window's passes, the streams together. That is a backlog, and what
+follows a finish in a backlog is the next prompt in it, which a count with room
+would not have: on silence-burst's first burst one replica's backlog read as a
+lift of 7 and an overdispersion of 1 and sent the planner to 26 replicas where
+4 would do (the backlog rules size that fleet; the model goes back to its
+chain). Over the passes' time, not their count: a backlog's passes are the long
+ones, and counted by passes the same burst on seed 1 slipped through at 1.7-2.3
+prompts waiting per replica and sent the planner to 14. An idle
 engine runs no passes, so a heartbeat ends the run of passes: a prompt whose
 ``m`` passes would span one is not counted at that span (its request ended
 before the engine went idle, or never had ``m`` intervals). Pure numpy; the load
@@ -67,12 +70,12 @@ SHARE_PASSES = 512
 _LONGEST = SPANS[-1]
 _KEEP = SHARE_PASSES + _LONGEST
 # Columns of a bucket per span: sum f, f K, f K^2, f s, f s^2, f K s over the finished
-# prompts f (weights), their counts K and their stream's share s; then the passes
-# and the prompts waiting summed over them.
+# prompts f (weights), their counts K and their stream's share s; then the passes'
+# time and the prompts waiting times it (their time-weighted mean, over the time).
 _PER_SPAN = 6
-_PASSES = _PER_SPAN * len(SPANS)
-_WAITING = _PASSES + 1
-_N_COLS = _WAITING + 1
+_BUSY_S = _PER_SPAN * len(SPANS)
+_WAITING_S = _BUSY_S + 1
+_N_COLS = _WAITING_S + 1
 # Passes a stream buffers before they are counted (see EarlyPrefillEstimator).
 _RUN = 1024
 # Fewer finished prompts than this in the window at a span say nothing of its tail.
@@ -169,7 +172,8 @@ class EarlyPrefillEstimator:
         self._ring = np.zeros((self._n_window + 1, _N_COLS))
         self._bucket_id = np.full(self._n_window + 1, -1, dtype=np.int64)
         # Per slot, its last passes (_KEEP at most), one row each: prefill flag,
-        # prompts finished, prompts waiting, and the run of passes it belongs to.
+        # prompts finished, prompts waiting, the run of passes it belongs to, and
+        # its wall time.
         self._history: dict[int, FloatArray] = {}
         self._run: dict[int, int] = {}  # per slot: its current run of passes
         self._seen: dict[int, int] = {}  # per slot: passes seen
@@ -207,11 +211,12 @@ class EarlyPrefillEstimator:
             if not passes.any():
                 return
             prefill, finished, waiting = prefill[passes], finished[passes], waiting[passes]
+            wall = wall[passes]
             runs = run[passes].astype(np.float64)
         else:
             runs = np.full(wall.shape[0], float(current))
         self._pending.setdefault(slot, []).append(
-            np.concatenate([prefill > 0.0, finished, waiting, runs])
+            np.concatenate([prefill > 0.0, finished, waiting, runs, wall])
         )
         self._pending_rows[slot] = self._pending_rows.get(slot, 0) + runs.shape[0]
         self._pending_time[slot] = now
@@ -225,10 +230,11 @@ class EarlyPrefillEstimator:
         now = self._pending_time.pop(slot, None)
         if not pending or now is None:
             return
-        old = self._history.get(slot, np.zeros((0, 4)))
-        # Each buffered call is its four columns end to end.
-        rows = np.concatenate([old, *(p.reshape(4, -1).T for p in pending)])
-        pre, fin, runs = rows[:, 0], rows[:, 1], rows[:, 3]
+        old = self._history.get(slot, np.zeros((0, 5)))
+        # Each buffered call is its five columns end to end.
+        rows = np.concatenate([old, *(p.reshape(5, -1).T for p in pending)])
+        pre, fin, runs, wall = rows[:, 0], rows[:, 1], rows[:, 3], rows[:, 4]
+        waiting_s = rows[:, 2] * wall
         kept, end = old.shape[0], rows.shape[0]
         # Stream pass number of each row: a prompt counts once its stream has
         # SHARE_PASSES passes up to it, so its share and backlog are known.
@@ -239,14 +245,21 @@ class EarlyPrefillEstimator:
         lo = max(kept - _LONGEST, SHARE_PASSES - 1 - first_number, 0)
         j = np.arange(lo, end - 1)
         j = j[fin[j] > 0.0]
+        row = np.zeros(_N_COLS)
+        row[_BUSY_S] = wall[kept:].sum()
+        row[_WAITING_S] = waiting_s[kept:].sum()
         if j.size == 0:
+            self._add(row, now)
             return
         cum = np.concatenate([[0.0], np.cumsum(pre)])
-        cum_waiting = np.concatenate([[0.0], np.cumsum(rows[:, 2])])
         share = (cum[j + 1] - cum[j + 1 - SHARE_PASSES]) / SHARE_PASSES
-        # A backlog (a prompt or more waiting, on average): what follows a finish
-        # is the backlog, which a count with room would not have.
-        calm = cum_waiting[j + 1] - cum_waiting[j + 1 - SHARE_PASSES] < SHARE_PASSES
+        # A backlog (a prompt or more waiting, on average over the passes' time):
+        # what follows a finish is the backlog, which a count with room would not
+        # have. Over time, not passes: a backlog's passes are the long ones.
+        cum_s = np.concatenate([[0.0], np.cumsum(wall)])
+        cum_waiting_s = np.concatenate([[0.0], np.cumsum(waiting_s)])
+        back = j + 1 - SHARE_PASSES
+        calm = cum_waiting_s[j + 1] - cum_waiting_s[back] < cum_s[j + 1] - cum_s[back]
         spans = np.array(SPANS)
         last = j[:, None] + spans[None, :]  # (prompts, spans)
         inside = (last < end) & (last >= kept)
@@ -255,16 +268,13 @@ class EarlyPrefillEstimator:
         f = np.where(counted, fin[j][:, None], 0.0)
         count = cum[last + 1] - cum[j + 1][:, None]
         fk = f * count
-        row = np.zeros(_N_COLS)
-        per_span = row[:_PASSES].reshape(len(SPANS), _PER_SPAN)
+        per_span = row[:_BUSY_S].reshape(len(SPANS), _PER_SPAN)
         per_span[:, 0] = f.sum(axis=0)
         per_span[:, 1] = fk.sum(axis=0)
         per_span[:, 2] = (fk * count).sum(axis=0)
         per_span[:, 3] = share @ f
         per_span[:, 4] = (share * share) @ f
         per_span[:, 5] = share @ fk
-        row[_PASSES] = end - kept
-        row[_WAITING] = rows[kept:, 2].sum()
         self._add(row, now)
 
     def _add(self, row: FloatArray, now: float) -> None:
@@ -283,7 +293,7 @@ class EarlyPrefillEstimator:
         bucket = int(math.floor(now / self.bucket_s))
         inside = (self._bucket_id > bucket - self._n_window) & (self._bucket_id <= bucket)
         totals = self._ring[inside].sum(axis=0)
-        if totals[_WAITING] >= totals[_PASSES]:
+        if totals[_WAITING_S] >= totals[_BUSY_S]:
             return None  # a backlog over the window: see the module docstring
         spans: list[int] = []
         lifts: list[float] = []

@@ -74,13 +74,14 @@ def _reference(
     passes = wall > 0.0
     run = np.cumsum(wall <= 0.0)[passes]
     pre = (prefill[passes] > 0).astype(float)
-    fin, wait = finished[passes], waiting[passes]
+    fin, wait, busy = finished[passes], waiting[passes], wall[passes]
     out = {}
     for m in SPANS:
         counts, weights, shares = [], [], []
         for j in range(SHARE_PASSES - 1, pre.size - m):
             last = slice(j + 1 - SHARE_PASSES, j + 1)
-            if fin[j] > 0 and run[j] == run[j + m] and wait[last].mean() < 1.0:
+            calm = (wait[last] * busy[last]).sum() < busy[last].sum()
+            if fin[j] > 0 and run[j] == run[j + m] and calm:
                 counts.append(pre[j + 1 : j + 1 + m].sum())
                 weights.append(fin[j])
                 shares.append(pre[last].mean())
@@ -135,6 +136,15 @@ def test_a_backlog_and_a_stream_s_first_passes_are_not_counted() -> None:
     calm = EarlyPrefillEstimator()
     calm.observe(0, wall, prefill, finished, np.where(waiting > 0, 0.5, 0.0), now=1.0)
     assert calm.measured(1.0) is not None
+    # Over time, not passes: a backlog's passes are the long ones. Here one pass
+    # in four holds 2 waiting: 0.5 a pass, but 1.4 over the time (its passes last
+    # 0.1 s, the others 0.01 s).
+    slow = np.arange(wall.size) % 4 == 0
+    timed = EarlyPrefillEstimator()
+    timed.observe(
+        0, np.where(slow, 0.1, 0.01), prefill, finished, np.where(slow, 2.0, 0.0), now=1.0
+    )
+    assert timed.measured(1.0) is None
     young = EarlyPrefillEstimator()
     n = SHARE_PASSES - 1  # a prompt finishing on each, enough to count were it older
     young.observe(0, np.full(n, 0.02), np.ones(n), np.ones(n), np.zeros(n), now=1.0)
@@ -148,7 +158,9 @@ def test_batches_split_anywhere_give_what_one_batch_gives() -> None:
     prefill = (rng.random(4000) < 0.2).astype(float)
     finished = prefill * rng.integers(1, 3, 4000)
     wall = np.where(rng.random(4000) < 0.01, 0.0, 0.02)  # a few heartbeats
-    waiting = rng.integers(0, 3, 4000).astype(float)  # a backlog now and then
+    # A backlog now and then (not whole numbers: a mean of exactly one is a tie
+    # that the sums' rounding breaks differently from batch to batch).
+    waiting = rng.uniform(0.0, 2.0, 4000)
     whole = EarlyPrefillEstimator()
     whole.observe(7, wall, prefill, finished, waiting, now=5.0)
     split = EarlyPrefillEstimator()
