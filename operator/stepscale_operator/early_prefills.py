@@ -103,35 +103,11 @@ class EarlyPrefills:
         return np.interp(x, logs, self.lift), np.interp(x, logs, self.overdispersion)
 
 
-def beta_binomial_pmf(m: int, share: float, rho: float) -> FloatArray:
-    """P(K = k), k = 0..m, of ``m`` passes each carrying prefill with a share drawn
-    from a beta of mean ``share`` and intra-class correlation ``rho`` (0: binomial)."""
-    q = min(max(share, 0.0), 1.0)
-    k = np.arange(m + 1, dtype=np.float64)
-    log_choose = np.array(
-        [math.lgamma(m + 1) - math.lgamma(i + 1) - math.lgamma(m - i + 1) for i in range(m + 1)]
-    )
-    if q <= 0.0 or q >= 1.0:
-        out = np.zeros(m + 1)
-        out[m if q >= 1.0 else 0] = 1.0
-        return out
-    if rho <= 1e-9 or m == 1:
-        logp = log_choose + k * math.log(q) + (m - k) * math.log1p(-q)
-        return np.exp(logp)
-    total = 1.0 / min(rho, 1.0 - 1e-9) - 1.0  # alpha + beta
-    a, b = q * total, (1.0 - q) * total
-    lbeta_ab = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
-    lbeta = np.array(
-        [math.lgamma(i + a) + math.lgamma(m - i + b) - math.lgamma(m + a + b) for i in range(m + 1)]
-    )
-    p = np.exp(log_choose + lbeta - lbeta_ab)
-    return p / p.sum()
-
-
 def beta_binomial_rows(shares: FloatArray, rhos: FloatArray) -> FloatArray:
-    """:func:`beta_binomial_pmf` for m = 1..M at once (M = ``shares.size``): row
-    ``m - 1`` holds P(K = k), k = 0..m, of share ``shares[m - 1]`` and correlation
-    ``rhos[m - 1]``, zero beyond ``m``. By the ratio of consecutive terms, in logs:
+    """Beta-binomials for m = 1..M at once (M = ``shares.size``): row ``m - 1``
+    holds P(K = k), k = 0..m, of ``m`` passes each carrying prefill with a share
+    drawn from a beta of mean ``shares[m - 1]`` and intra-class correlation
+    ``rhos[m - 1]`` (0: binomial), zero beyond ``m``. By the ratio of consecutive terms, in logs:
     the planner asks for every short span at every count it weighs."""
     longest = shares.size
     m = np.arange(1, longest + 1, dtype=np.float64)[:, None]

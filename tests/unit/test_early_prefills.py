@@ -3,6 +3,8 @@ token, from the pass stream; the beta-binomial the latency model draws them from
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,6 @@ from stepscale_operator.early_prefills import (
     SPANS,
     EarlyPrefillEstimator,
     EarlyPrefills,
-    beta_binomial_pmf,
     beta_binomial_rows,
 )
 from stepscale_operator.itl_quantile import PrefillPassChain
@@ -101,7 +102,7 @@ def test_each_span_counts_the_prefill_passes_after_every_finished_prompt() -> No
     pre = np.zeros(6000)
     for i in range(1, pre.size):
         pre[i] = rng.random() < (0.5 if pre[i - 1] else 0.06)
-    finished = pre * rng.integers(1, 3, pre.size)
+    finished = pre * rng.integers(1, 3, pre.size).astype(float)
     wall = np.where(rng.random(pre.size) < 0.005, 0.0, 0.02)
     # A backlog over the middle third: its prompts are left out.
     waiting = np.where((np.arange(pre.size) > 2000) & (np.arange(pre.size) < 4000), 2.0, 0.0)
@@ -156,7 +157,7 @@ def test_a_backlog_and_a_stream_s_first_passes_are_not_counted() -> None:
 def test_batches_split_anywhere_give_what_one_batch_gives() -> None:
     rng = np.random.default_rng(3)
     prefill = (rng.random(4000) < 0.2).astype(float)
-    finished = prefill * rng.integers(1, 3, 4000)
+    finished = prefill * rng.integers(1, 3, 4000).astype(float)
     wall = np.where(rng.random(4000) < 0.01, 0.0, 0.02)  # a few heartbeats
     # A backlog now and then (not whole numbers: a mean of exactly one is a tie
     # that the sums' rounding breaks differently from batch to batch).
@@ -195,6 +196,31 @@ def test_prompts_outside_the_window_are_forgotten() -> None:
     est.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
     assert est.measured(5.0) is not None
     assert est.measured(12.0) is None
+
+
+def beta_binomial_pmf(m: int, share: float, rho: float) -> np.ndarray:
+    """P(K = k), k = 0..m, one span by gamma functions: the reference the array
+    pass (beta_binomial_rows) is checked against."""
+    q = min(max(share, 0.0), 1.0)
+    k = np.arange(m + 1, dtype=np.float64)
+    log_choose = np.array(
+        [math.lgamma(m + 1) - math.lgamma(i + 1) - math.lgamma(m - i + 1) for i in range(m + 1)]
+    )
+    if q <= 0.0 or q >= 1.0:
+        out = np.zeros(m + 1)
+        out[m if q >= 1.0 else 0] = 1.0
+        return out
+    if rho <= 1e-9 or m == 1:
+        logp = log_choose + k * math.log(q) + (m - k) * math.log1p(-q)
+        return np.exp(logp)
+    total = 1.0 / min(rho, 1.0 - 1e-9) - 1.0  # alpha + beta
+    a, b = q * total, (1.0 - q) * total
+    lbeta_ab = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+    lbeta = np.array(
+        [math.lgamma(i + a) + math.lgamma(m - i + b) - math.lgamma(m + a + b) for i in range(m + 1)]
+    )
+    p = np.exp(log_choose + lbeta - lbeta_ab)
+    return p / p.sum()
 
 
 def test_beta_binomial_has_the_moments_it_is_matched_to() -> None:
