@@ -33,15 +33,20 @@ large. Per span, over the window, weighted by the prompts that finished:
 A prompt counts once its stream has :data:`SHARE_PASSES` passes up to it (a
 replica that just joined has no share yet: its first passes are all prefill), and
 not where a prompt or more waited there on average over those passes' time; and
-nothing is measured where a prompt or more waited on average over the busy time
-of the window's passes, the streams together. That is a backlog, and what
+none of a stream's prompts count while a prompt or more waited there on average
+over the busy time of its passes in the window. That is a backlog, and what
 follows a finish in a backlog is the next prompt in it, which a count with room
 would not have: on silence-burst's first burst one replica's backlog read as a
 lift of 7 and an overdispersion of 1 and sent the planner to 26 replicas where
 4 would do (the backlog rules size that fleet; the model goes back to its
 chain). Over the passes' time, not their count: a backlog's passes are the long
 ones, and counted by passes the same burst on seed 1 slipped through at 1.7-2.3
-prompts waiting per replica and sent the planner to 14. An idle
+prompts waiting per replica and sent the planner to 14. Per stream, not over
+the streams together: the first prompts of a burst have calm passes behind them
+and the backlog after, and when four replicas joined one still working off its
+burst (seed 1 again) the fleet as a whole waited under a prompt, the old
+replica's burst read as a lift of 3.8 and an overdispersion of 0.63, and the
+planner went from 5 replicas to 12 where 5 did. An idle
 engine runs no passes, so a heartbeat ends the run of passes: a prompt whose
 ``m`` passes would span one is not counted at that span (its request ended
 before the engine went idle, or never had ``m`` intervals). Pure numpy; the load
@@ -80,6 +85,7 @@ _N_COLS = _WAITING_S + 1
 _RUN = 1024
 # Fewer finished prompts than this in the window at a span say nothing of its tail.
 MIN_FINISHED = 100.0
+_NEVER = np.iinfo(np.int64).min // 2  # the last bucket of a row never written
 
 
 @dataclass(frozen=True)
@@ -145,8 +151,14 @@ class EarlyPrefillEstimator:
         self.window_s = float(window_s)
         self.bucket_s = float(bucket_s)
         self._n_window = int(math.ceil(self.window_s / self.bucket_s))
-        self._ring = np.zeros((self._n_window + 1, _N_COLS))
+        # Per stream, per bucket, the sums (a stream is judged on its own window:
+        # see measured). Rows are streams; a forgotten stream's row keeps its
+        # buckets until they leave the window, then serves a new stream.
+        self._ring = np.zeros((4, self._n_window + 1, _N_COLS))
         self._bucket_id = np.full(self._n_window + 1, -1, dtype=np.int64)
+        self._row_of: dict[int, int] = {}  # slot -> its row
+        self._row_used = np.zeros(4, dtype=bool)
+        self._row_last = np.full(4, _NEVER, dtype=np.int64)  # per row: its last bucket
         # Per slot, its last passes (_KEEP at most), one row each: prefill flag,
         # prompts finished, prompts waiting, the run of passes it belongs to, and
         # its wall time.
@@ -160,6 +172,9 @@ class EarlyPrefillEstimator:
     def forget(self, slot: int) -> None:
         """Drop a stream's history (its pod is gone, or the slot is reused)."""
         self._flush(slot)
+        row = self._row_of.pop(slot, None)
+        if row is not None:
+            self._row_used[row] = False  # its sums stay in the window until they age
         self._history.pop(slot, None)
         self._run.pop(slot, None)
         self._seen.pop(slot, None)
@@ -225,7 +240,7 @@ class EarlyPrefillEstimator:
         row[_BUSY_S] = wall[kept:].sum()
         row[_WAITING_S] = waiting_s[kept:].sum()
         if j.size == 0:
-            self._add(row, now)
+            self._add(slot, row, now)
             return
         cum = np.concatenate([[0.0], np.cumsum(pre)])
         share = (cum[j + 1] - cum[j + 1 - SHARE_PASSES]) / SHARE_PASSES
@@ -251,15 +266,35 @@ class EarlyPrefillEstimator:
         per_span[:, 3] = share @ f
         per_span[:, 4] = (share * share) @ f
         per_span[:, 5] = share @ fk
-        self._add(row, now)
+        self._add(slot, row, now)
 
-    def _add(self, row: FloatArray, now: float) -> None:
+    def _add(self, slot: int, row: FloatArray, now: float) -> None:
         bucket = int(math.floor(now / self.bucket_s))
-        pos = bucket % self._ring.shape[0]
+        pos = bucket % self._bucket_id.shape[0]
         if self._bucket_id[pos] != bucket:
-            self._ring[pos] = 0.0
+            self._ring[:, pos] = 0.0
             self._bucket_id[pos] = bucket
-        self._ring[pos] += row
+        r = self._row(slot, bucket)
+        self._ring[r, pos] += row
+        self._row_last[r] = bucket
+
+    def _row(self, slot: int, bucket: int) -> int:
+        """The slot's row: a row whose sums all left the window, or a new one."""
+        row = self._row_of.get(slot)
+        if row is not None:
+            return row
+        free = np.flatnonzero(~self._row_used & (self._row_last <= bucket - self._n_window))
+        if free.size == 0:
+            n = self._row_used.shape[0]
+            self._ring = np.concatenate([self._ring, np.zeros_like(self._ring)])
+            self._row_used = np.concatenate([self._row_used, np.zeros(n, dtype=bool)])
+            self._row_last = np.concatenate([self._row_last, np.full(n, _NEVER)])
+            free = np.arange(n, 2 * n)
+        row = int(free[0])
+        self._ring[row] = 0.0
+        self._row_used[row] = True
+        self._row_of[slot] = row
+        return row
 
     def measured(self, now: float) -> EarlyPrefills | None:
         """The lift and overdispersion per span over the window (None: too few
@@ -268,9 +303,13 @@ class EarlyPrefillEstimator:
             self._flush(slot)
         bucket = int(math.floor(now / self.bucket_s))
         inside = (self._bucket_id > bucket - self._n_window) & (self._bucket_id <= bucket)
-        totals = self._ring[inside].sum(axis=0)
-        if totals[_WAITING_S] >= totals[_BUSY_S]:
-            return None  # a backlog over the window: see the module docstring
+        per_stream = self._ring[:, inside].sum(axis=1)
+        # A stream with a backlog over the window says nothing of a replica with
+        # room (see the module docstring); the others still do.
+        calm = per_stream[:, _WAITING_S] < per_stream[:, _BUSY_S]
+        if not calm.any():
+            return None
+        totals = per_stream[calm].sum(axis=0)
         spans: list[int] = []
         lifts: list[float] = []
         rhos: list[float] = []

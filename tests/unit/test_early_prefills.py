@@ -297,3 +297,60 @@ def test_the_load_estimate_carries_what_its_streams_measured() -> None:
     lift_1, _ = load.early_prefills.at(1)
     assert lift_1 == pytest.approx(5.0, rel=0.02)
     assert load.to_dict()["early_prefills"] == list(load.early_prefills.lift)
+
+
+def _head_of_backlogs(cycles: int, waiting: float) -> tuple[np.ndarray, ...]:
+    """(wall, prefill, finished, waiting) of a replica that idles along on decode,
+    then takes a burst it cannot keep up with: 40 slow prefill passes with
+    ``waiting`` prompts queued. The burst's first prompts finish with room behind
+    them (their last passes were calm), and what follows them is the backlog."""
+    calm, burst = 600, 40
+    wall = np.tile(np.r_[np.full(calm, 0.01), np.full(burst, 0.05)], cycles)
+    prefill = np.tile(np.r_[np.zeros(calm - 1), np.ones(burst + 1)], cycles)
+    queued = np.tile(np.r_[np.zeros(calm), np.full(burst, waiting)], cycles)
+    return wall, prefill, prefill.copy(), queued
+
+
+def test_a_stream_with_a_backlog_over_the_window_is_left_out_the_others_count() -> None:
+    # One replica took bursts it could not keep up with (a prompt or more waiting
+    # over its window's time), another had room all along: the fleet together
+    # waited under a prompt, but the backlogged replica's first prompts say what
+    # its backlog did, not what a request meets on a replica with room.
+    wall, prefill, finished = _clumped(400, 18)
+    alone = EarlyPrefillEstimator()
+    alone.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
+    fleet = EarlyPrefillEstimator()
+    fleet.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
+    fleet.observe(1, *_head_of_backlogs(5, waiting=5.0), now=1.0)
+    want, got = alone.measured(1.0), fleet.measured(1.0)
+    assert want is not None and got is not None
+    assert got.lift == pytest.approx(want.lift)
+    assert got.overdispersion == pytest.approx(want.overdispersion)
+    # The same replica with a lighter queue (under a prompt over its time) counts.
+    light = EarlyPrefillEstimator()
+    light.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
+    light.observe(1, *_head_of_backlogs(5, waiting=1.0), now=1.0)
+    mixed = light.measured(1.0)
+    assert mixed is not None
+    assert mixed.lift[0] != pytest.approx(want.lift[0], rel=0.01)
+
+
+def test_a_gone_stream_s_prompts_stay_for_the_window_and_its_slot_starts_afresh() -> None:
+    wall, prefill, finished = _clumped(400, 18)
+    est = EarlyPrefillEstimator(window_s=10.0)
+    est.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
+    before = est.measured(1.0)
+    assert before is not None
+    est.forget(0)
+    # The slot's next stream is judged on its own window: its backlog leaves it
+    # out, and the gone stream's prompts still count until they age out.
+    est.observe(0, *_head_of_backlogs(5, waiting=5.0), now=2.0)
+    after = est.measured(2.0)
+    assert after is not None
+    assert after.lift == pytest.approx(before.lift)
+    assert est.measured(11.5) is None  # the gone stream's buckets left the window
+    # Many streams come and go: rows are reused once their sums left the window.
+    for t in range(20, 80):
+        est.observe(t, wall[:50], prefill[:50], finished[:50], np.zeros(50), now=float(t))
+        est.forget(t)
+    assert est._ring.shape[0] <= 16
