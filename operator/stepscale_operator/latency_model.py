@@ -692,6 +692,13 @@ def _itl_tail(
         load.decode_tokens_per_s / rate if rate > 0.0 else 0.0,
         own_context,
         load.early_prefills,
+        # A prompt of several chunks holds the prefill budget for all but its
+        # last pass; the prompts that arrive meanwhile queue behind it and are
+        # prefilled in its request's first passes, so the longest prompts' own
+        # requests meet the most prefill (see itl_quantile).
+        tuple(rate * exposure * max(n - 1.0, 0.0) * f for n, f, _ in prefills)
+        if len(prefills) == len(own_context)
+        else (),
     )
     return itl, exposure
 

@@ -41,6 +41,7 @@ def itl_quantile(
     )
     return dist.quantile(tail)
 
+
 FloatArray = npt.NDArray[np.float64]
 
 
@@ -453,3 +454,50 @@ def test_a_prompt_rarer_than_the_tail_moves_the_variance_not_the_long_outputs_p9
     assert compound < 0.5 * normal
     # The common prompts still set it: a little above a decode pass.
     assert passes.decode_s < compound < passes.decode_s + 0.004
+
+
+def test_prompts_queued_behind_a_prefill_add_to_the_compound_count() -> None:
+    # As above, with 2 prompts more on average in the second row: the count's mean
+    # is 7, its variance 3 x 7, on the grid both rows share.
+    mix = PromptMix(0.05, 3.0, ((1.0, 0.010, 0.9), (8.0, 0.030, 0.1)))
+    step, cdf = mix.extra_cdfs(100, np.array([0.0, 2.0]))
+    grid = np.arange(cdf.shape[1]) * step
+    mean_x = 0.9 * 0.010 + 0.1 * 0.240
+    second_x = 0.9 * 0.010**2 + 0.1 * 0.240**2
+    for row, count in ((0, 5.0), (1, 7.0)):
+        pmf = np.diff(np.concatenate([[0.0], cdf[row]]))
+        assert float(pmf @ grid) == pytest.approx(count * mean_x, rel=1e-3)
+        variance = float(pmf @ grid**2) - float(pmf @ grid) ** 2
+        want = count * (second_x - mean_x**2) + 3.0 * count * mean_x**2
+        assert variance == pytest.approx(want, rel=0.02)
+
+
+def test_the_longest_prompts_requests_meet_the_prompts_queued_behind_their_prefill() -> None:
+    # Two prompt classes: short ones of one chunk, and long ones of 12 chunks that
+    # hold the prefill budget for 11 passes of 0.3 s, while 0.5 prompts arrive a
+    # second: 1.65 prompts wait behind each long prompt and are prefilled in its
+    # request's first passes.
+    passes = PassTimes(decode_s=0.008, prefill_s=0.2, mean_s=0.03)
+    classes = ((1.0, 0.02, 0.9), (12.0, 0.3, 0.1))
+    mix = PromptMix(0.5 * 0.03, 1.0, classes)
+    own = ((0.0, 0.9), (0.004, 0.1))
+    outputs = tuple((a, b, 0.0) for a, b in OUTPUT_INTERVAL_BINS)  # all long
+    chain = PrefillPassChain.of(0.05, 0.1)
+
+    def share_above(
+        limit_s: float, behind: tuple[float, ...], own_context: tuple[tuple[float, float], ...]
+    ) -> float:
+        dist = itl_distribution(passes, chain, outputs, 0.1, mix, 100.0, own_context, None, behind)
+        return dist.share_above(limit_s)
+
+    # Nothing behind: what the mix gave before this term.
+    assert share_above(0.06, (0.0, 0.0), own) == pytest.approx(share_above(0.06, (), own))
+    behind = (0.0, 0.5 * 11 * 0.3)
+    # The long prompts' requests alone: more of them over the limit.
+    long_alone = ((0.0, 0.0), (0.004, 1.0))
+    assert share_above(0.06, behind, long_alone) > 1.5 * share_above(0.06, (0.0, 0.0), long_alone)
+    # The short prompts' requests are as before.
+    short_alone = ((0.0, 1.0), (0.004, 0.0))
+    assert share_above(0.06, behind, short_alone) == pytest.approx(
+        share_above(0.06, (0.0, 0.0), short_alone)
+    )
