@@ -421,20 +421,27 @@ def _with(load: PerReplicaLoad, bins: tuple[tuple[int, int, float], ...]) -> Per
     return replace(load, output_intervals=bins)
 
 
-def test_prompt_mix_extra_time_has_the_compound_mean_and_variance() -> None:
-    # 90% one-chunk prompts adding 10 ms, 10% eight-chunk ones adding 30 ms a chunk,
-    # 0.05 prompts per pass with dispersion 3, over 100 passes.
-    mix = PromptMix(0.05, 3.0, ((1.0, 0.010, 0.9), (8.0, 0.030, 0.1)))
-    step, cdf = mix.extra_cdf(100)
+# 90% one-chunk prompts adding 10 ms, 10% eight-chunk ones adding 30 ms a chunk,
+# 0.05 prompts per pass with dispersion 3.
+_TWO_CLASS_MIX = PromptMix(0.05, 3.0, ((1.0, 0.010, 0.9), (8.0, 0.030, 0.1)))
+
+
+def _assert_two_class_compound(step: float, cdf: npt.NDArray[np.float64], count: float) -> None:
+    """``cdf`` is the extra time of ``count`` prompts of the mix on average, a
+    negative binomial count (variance 3 x ``count``)."""
     pmf = np.diff(np.concatenate([[0.0], cdf]))
     grid = np.arange(cdf.size) * step
     mean_x = 0.9 * 0.010 + 0.1 * 0.240
     second_x = 0.9 * 0.010**2 + 0.1 * 0.240**2
-    count = 5.0  # prompts over the 100 passes; their variance is 3 x 5
     assert float(pmf @ grid) == pytest.approx(count * mean_x, rel=1e-3)
     variance = float(pmf @ grid**2) - float(pmf @ grid) ** 2
     want = count * (second_x - mean_x**2) + 3.0 * count * mean_x**2
     assert variance == pytest.approx(want, rel=0.02)
+
+
+def test_prompt_mix_extra_time_has_the_compound_mean_and_variance() -> None:
+    # Over 100 passes: 5 prompts on average.
+    _assert_two_class_compound(*_TWO_CLASS_MIX.extra_cdf(100), count=5.0)
 
 
 def test_a_prompt_rarer_than_the_tail_moves_the_variance_not_the_long_outputs_p99() -> None:
@@ -457,19 +464,11 @@ def test_a_prompt_rarer_than_the_tail_moves_the_variance_not_the_long_outputs_p9
 
 
 def test_prompts_queued_behind_a_prefill_add_to_the_compound_count() -> None:
-    # As above, with 2 prompts more on average in the second row: the count's mean
-    # is 7, its variance 3 x 7, on the grid both rows share.
-    mix = PromptMix(0.05, 3.0, ((1.0, 0.010, 0.9), (8.0, 0.030, 0.1)))
-    step, cdf = mix.extra_cdfs(100, np.array([0.0, 2.0]))
-    grid = np.arange(cdf.shape[1]) * step
-    mean_x = 0.9 * 0.010 + 0.1 * 0.240
-    second_x = 0.9 * 0.010**2 + 0.1 * 0.240**2
-    for row, count in ((0, 5.0), (1, 7.0)):
-        pmf = np.diff(np.concatenate([[0.0], cdf[row]]))
-        assert float(pmf @ grid) == pytest.approx(count * mean_x, rel=1e-3)
-        variance = float(pmf @ grid**2) - float(pmf @ grid) ** 2
-        want = count * (second_x - mean_x**2) + 3.0 * count * mean_x**2
-        assert variance == pytest.approx(want, rel=0.02)
+    # As above, with 2 prompts more on average in the second row: 7 prompts, on
+    # the grid both rows share.
+    step, cdf = _TWO_CLASS_MIX.extra_cdfs(100, np.array([0.0, 2.0]))
+    _assert_two_class_compound(step, cdf[0], count=5.0)
+    _assert_two_class_compound(step, cdf[1], count=7.0)
 
 
 def test_the_longest_prompts_requests_meet_the_prompts_queued_behind_their_prefill() -> None:
