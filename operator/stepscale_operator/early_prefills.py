@@ -156,8 +156,7 @@ class EarlyPrefillEstimator:
         # buckets until they leave the window, then serves a new stream.
         self._ring = np.zeros((4, self._n_window + 1, _N_COLS))
         self._bucket_id = np.full(self._n_window + 1, -1, dtype=np.int64)
-        self._row_of: dict[int, int] = {}  # slot -> its row
-        self._row_used = np.zeros(4, dtype=bool)
+        self._row_of: dict[int, int] = {}  # slot -> its row (rows not in it are free)
         self._row_last = np.full(4, _NEVER, dtype=np.int64)  # per row: its last bucket
         # Per slot, its last passes (_KEEP at most), one row each: prefill flag,
         # prompts finished, prompts waiting, the run of passes it belongs to, and
@@ -172,9 +171,8 @@ class EarlyPrefillEstimator:
     def forget(self, slot: int) -> None:
         """Drop a stream's history (its pod is gone, or the slot is reused)."""
         self._flush(slot)
-        row = self._row_of.pop(slot, None)
-        if row is not None:
-            self._row_used[row] = False  # its sums stay in the window until they age
+        # Its row's sums stay in the window until they age; then the row is free.
+        self._row_of.pop(slot, None)
         self._history.pop(slot, None)
         self._run.pop(slot, None)
         self._seen.pop(slot, None)
@@ -283,16 +281,16 @@ class EarlyPrefillEstimator:
         row = self._row_of.get(slot)
         if row is not None:
             return row
-        free = np.flatnonzero(~self._row_used & (self._row_last <= bucket - self._n_window))
+        used = np.zeros(self._row_last.shape[0], dtype=bool)
+        used[list(self._row_of.values())] = True
+        free = np.flatnonzero(~used & (self._row_last <= bucket - self._n_window))
         if free.size == 0:
-            n = self._row_used.shape[0]
+            n = self._row_last.shape[0]
             self._ring = np.concatenate([self._ring, np.zeros_like(self._ring)])
-            self._row_used = np.concatenate([self._row_used, np.zeros(n, dtype=bool)])
             self._row_last = np.concatenate([self._row_last, np.full(n, _NEVER)])
             free = np.arange(n, 2 * n)
         row = int(free[0])
         self._ring[row] = 0.0
-        self._row_used[row] = True
         self._row_of[slot] = row
         return row
 
