@@ -35,7 +35,8 @@ long context within 0.7 points of before; docs/planner-history.md).
 Long outputs average many passes, but not so many that every prompt is alike:
 where prompts vary in length (a few of many chunks among many short ones), the
 extra time a long request's passes carry is a compound sum, skewed by the rare
-long prompts. When the prompt mix is known (:class:`PromptMix`), it is computed as
+long prompts. When the prompt mix is known
+(:class:`~stepscale_operator.prompt_mix.PromptMix`), it is computed as
 one: the prompts arriving during the request's ``m`` passes are a negative
 binomial count (mean per pass, variance the arrival dispersion times that), each
 adding its chunks' extra time (at most ``m`` chunks), and the distribution of the
@@ -88,6 +89,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stepscale_operator.early_prefills import EarlyPrefills, beta_binomial_rows
+from stepscale_operator.prompt_mix import PromptMix
 from stepscale_operator.quantile_search import FloatArray, exceedance_quantile_on_grid
 
 
@@ -151,56 +153,6 @@ class PassTimes:
     decode_s: float  # a decode-only pass (f_d)
     prefill_s: float  # a pass that carries a prefill chunk (f_p, its mean)
     mean_s: float  # the mean pass (the steady-state step)
-
-
-@dataclass(frozen=True)
-class PromptMix:
-    """The prompts a replica serves, as the ITL of long outputs sees them."""
-
-    per_pass: float  # prompts arriving per pass
-    dispersion: float  # variance / mean of their counts (1: Poisson)
-    # (chunks, extra seconds per chunk over a decode pass, probability) per class
-    classes: tuple[tuple[float, float, float], ...]
-
-    def extra_cdf(self, m: int, points: int = 2048) -> tuple[float, npt.NDArray[np.float64]]:
-        """The distribution of the extra time the prompts arriving over ``m`` passes
-        add to them: ``(grid step in seconds, CDF at 0, step, 2 step, ...)``."""
-        step, cdf = self.extra_cdfs(m, np.zeros(1), points)
-        return step, cdf[0]
-
-    def extra_cdfs(
-        self, m: int, behind: FloatArray, points: int = 2048
-    ) -> tuple[float, npt.NDArray[np.float64]]:
-        """As :meth:`extra_cdf` with ``behind[r]`` more prompts on average (queued
-        behind the request's own prefill), one row each, on one grid."""
-        chunks = np.array([min(max(n, 1.0), float(m)) for n, _, _ in self.classes])
-        extra = np.array([max(e, 0.0) for _, e, _ in self.classes]) * chunks
-        prob = np.array([p for _, _, p in self.classes])
-        prob = prob / prob.sum()
-        mus = max(self.per_pass, 0.0) * m + np.maximum(behind, 0.0)
-        top = float(mus.max())
-        d = max(self.dispersion, 1.0)
-        mean_x = float(prob @ extra)
-        sd = math.sqrt(d * top * float(prob @ extra**2))
-        span = top * mean_x + 8.0 * sd + float(extra.max())
-        if not span > 0.0 or top <= 0.0:
-            return 1.0, np.ones((mus.size, points))
-        step = span / (points // 2)  # half the grid: no wrap-around
-        # Each class's mass split between its two grid neighbours: keeps the mean.
-        at = np.minimum(extra / step, points - 2.0)
-        low = np.floor(at).astype(np.int64)
-        upper = at - low
-        px = np.bincount(low, weights=prob * (1.0 - upper), minlength=points)
-        px += np.bincount(low + 1, weights=prob * upper, minlength=points)
-        z = np.fft.rfft(px)
-        # The count's generating function is exp(mu log_g): negative binomial,
-        # (1 + (d - 1)(1 - z))^(-mu / (d - 1)), or Poisson; one log for every row.
-        nb = d > 1.0 + 1e-6
-        log_g = np.log(1.0 + (d - 1.0) * (1.0 - z)) / -(d - 1.0) if nb else z - 1.0
-        g = np.exp(mus[:, None] * log_g[None, :])
-        density = np.clip(np.fft.irfft(g, points, axis=1), 0.0, None)
-        total = np.maximum(density.sum(axis=1, keepdims=True), 1e-300)
-        return step, np.minimum(np.cumsum(density, axis=1) / total, 1.0)
 
 
 # Intervals (m = output tokens - 1) up to which the count of prefill passes is
@@ -319,19 +271,18 @@ def itl_distribution(
     shifts = np.array([shift for _, shift, _ in kept])
     shares = np.array([share for _, _, share in kept])
     shares = shares / shares.sum()
-    compound = [(m, share, *prompts.extra_cdfs(m, levels)) for m, share in long_points]
+    ms = np.array([m for m, _ in long_points], dtype=np.float64)
+    m_shares = np.array([share for _, share in long_points])
+    table = prompts.extra_cdf_table([m for m, _ in long_points], levels)
 
     def mixed(x: FloatArray) -> FloatArray:
         # (values, classes): each class's ITL moved by its own context.
         y = x[:, None] - shifts[None, :]
         total = above[np.searchsorted(vals, y, side="right")]
-        for m, share, step, cdf in compound:
-            at = (y - passes.decode_s) * m / step  # extra time, in grid steps
-            i = np.clip(at.astype(np.int64), 0, cdf.shape[1] - 2)
-            lo_cdf = cdf[row_of[None, :], i]
-            inside = lo_cdf + (at - i) * (cdf[row_of[None, :], i + 1] - lo_cdf)
-            below = np.where(at < 0.0, 0.0, np.where(at < cdf.shape[1] - 1, inside, 1.0))
-            total = total + share * (1.0 - below)
+        if ms.size:
+            # (m, values, classes): the extra time, in grid steps of each m.
+            at = (y[None, :, :] - passes.decode_s) * (ms / table.steps)[:, None, None]
+            total = total + np.tensordot(m_shares, 1.0 - table.cdf_at(at, row_of), axes=1)
         return (total / with_itl) @ shares
 
     # The tail's guess grows with the prompts behind (the search doubles it if short).

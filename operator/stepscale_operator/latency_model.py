@@ -53,11 +53,11 @@ from stepscale_operator.itl_quantile import (
     ItlDistribution,
     PassTimes,
     PrefillPassChain,
-    PromptMix,
     itl_distribution,
     normal_itl_distribution,
 )
 from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS, LoadEstimate, bin_tokens_or_centres
+from stepscale_operator.prompt_mix import PromptMix
 from stepscale_operator.quantile_search import exceedance_quantile
 from stepscale_operator.router_pick import (
     RouterPick,

@@ -13,7 +13,6 @@ from stepscale_engine.wire import ForwardPassMetrics, ScheduledRequestMetrics, h
 from stepscale_operator.itl_quantile import (
     PassTimes,
     PrefillPassChain,
-    PromptMix,
     itl_distribution,
     normal_itl_distribution,
 )
@@ -22,6 +21,7 @@ from stepscale_operator.load_estimate import LoadEstimator
 from stepscale_operator.load_types import OUTPUT_INTERVAL_BINS
 from stepscale_operator.output_lengths import OutputLengthEstimator
 from stepscale_operator.planner_policy import PlannerPolicy
+from stepscale_operator.prompt_mix import PromptMix
 from tests.unit.test_planner import LinearStepTime
 
 
