@@ -101,6 +101,10 @@ class PromptMix:
     ) -> CompoundCdfTable:
         """:meth:`extra_cdfs` for every ``m`` in ``intervals``, in one transform."""
         m = np.asarray(intervals, dtype=np.float64)[:, None]
+        if m.size == 0:  # every output short: nothing to take the sum over
+            rows = np.shape(behind)[0]
+            below = np.zeros((0, rows), dtype=np.int64)
+            return CompoundCdfTable(np.zeros(0), np.zeros((0, points)), below, np.zeros((0, rows)))
         chunks = np.minimum(np.array([max(n, 1.0) for n, _, _ in self.classes])[None, :], m)
         extra = np.array([max(e, 0.0) for _, e, _ in self.classes])[None, :] * chunks
         prob = np.array([p for _, _, p in self.classes])

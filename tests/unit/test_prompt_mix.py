@@ -6,6 +6,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from stepscale_operator.itl_quantile import PassTimes, PrefillPassChain, itl_distribution
 from stepscale_operator.prompt_mix import COUNT_NODE_SPACING, PromptMix, count_nodes
 
 # 90% one-chunk prompts adding 10 ms, 10% eight-chunk ones adding 30 ms a chunk,
@@ -91,3 +92,18 @@ def test_each_m_is_its_own_distribution_in_one_table() -> None:
 def test_no_prompts_put_all_the_extra_time_at_zero() -> None:
     table = PromptMix(0.0, 1.0, ((1.0, 0.01, 1.0),)).extra_cdf_table([50, 500], np.zeros(2))
     assert np.all(table.rows(0) == 1.0) and np.all(table.rows(1) == 1.0)
+
+
+def test_outputs_all_within_the_exact_intervals_need_no_compound_sum() -> None:
+    # Every output of at most 30 intervals: the chain alone sets the ITL, with or
+    # without the prompt mix (no span to take the compound sum over).
+    passes = PassTimes(decode_s=0.010, prefill_s=0.050, mean_s=0.020)
+    chain = PrefillPassChain.of(0.1, 0.2)
+    short = ((1, 4, 0.5), (5, 30, 0.5))
+    with_mix = itl_distribution(passes, chain, short, 0.2, _MIX, 10.0)
+    without = itl_distribution(passes, chain, short, 0.2, None, 10.0)
+    assert with_mix.quantile(0.01) == pytest.approx(without.quantile(0.01))
+    # At most a prefill pass (the search stops within a grid cell of it).
+    assert passes.decode_s < with_mix.quantile(0.01) <= passes.prefill_s * (1.0 + 1e-6)
+    table = _MIX.extra_cdf_table([], np.zeros(3))
+    assert table.steps.size == 0 and table.node_cdfs.shape == (0, 2048)
