@@ -263,7 +263,8 @@ def itl_distribution(
 
         return _mixture(exceed, own_context, passes.decode_s, hi)
     # Per own-context class, the prompts queued behind its prefill: one CDF row
-    # per distinct count, every class's row on one grid per span.
+    # per distinct count, every class's row on one grid per span (close counts
+    # share transforms; see prompt_mix).
     kept = [(i, shift, share) for i, (shift, share) in enumerate(own_context) if share > 0.0]
     kept = kept or [(0, 0.0, 1.0)]
     queued = np.array([behind[i] if len(behind) == len(own_context) else 0.0 for i, _, _ in kept])
