@@ -274,7 +274,7 @@ def itl_distribution(
     shares = shares / shares.sum()
     ms = np.array([m for m, _ in long_points], dtype=np.float64)
     m_shares = np.array([share for _, share in long_points])
-    table = prompts.extra_cdf_table([m for m, _ in long_points], levels)
+    table = prompts.extra_cdf_table(ms, levels)
 
     def mixed(x: FloatArray) -> FloatArray:
         # (values, classes): each class's ITL moved by its own context.

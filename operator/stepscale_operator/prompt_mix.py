@@ -82,24 +82,13 @@ class PromptMix:
     # (chunks, extra seconds per chunk over a decode pass, probability) per class
     classes: tuple[tuple[float, float, float], ...]
 
-    def extra_cdf(self, m: int, points: int = 2048) -> tuple[float, npt.NDArray[np.float64]]:
-        """The distribution of the extra time the prompts arriving over ``m`` passes
-        add to them: ``(grid step in seconds, CDF at 0, step, 2 step, ...)``."""
-        step, cdf = self.extra_cdfs(m, np.zeros(1), points)
-        return step, cdf[0]
-
-    def extra_cdfs(
-        self, m: int, behind: FloatArray, points: int = 2048
-    ) -> tuple[float, npt.NDArray[np.float64]]:
-        """As :meth:`extra_cdf` with ``behind[r]`` more prompts on average (queued
-        behind the request's own prefill), one row each, on one grid."""
-        table = self.extra_cdf_table([m], behind, points)
-        return float(table.steps[0]), table.rows(0)
-
     def extra_cdf_table(
-        self, intervals: Sequence[int], behind: FloatArray, points: int = 2048
+        self, intervals: Sequence[int] | FloatArray, behind: FloatArray, points: int = 2048
     ) -> CompoundCdfTable:
-        """:meth:`extra_cdfs` for every ``m`` in ``intervals``, in one transform."""
+        """The distribution of the extra time the prompts arriving over ``m`` passes
+        add to them, plus ``behind[r]`` more prompts on average (queued behind the
+        request's own prefill), for every ``m`` in ``intervals`` and every ``r``, in
+        one transform: row ``(j, r)`` is the CDF at 0, ``steps[j]``, 2 ``steps[j]``, ..."""
         m = np.asarray(intervals, dtype=np.float64)[:, None]
         if m.size == 0:  # every output short: nothing to take the sum over
             rows = np.shape(behind)[0]

@@ -441,7 +441,8 @@ def _assert_two_class_compound(step: float, cdf: npt.NDArray[np.float64], count:
 
 def test_prompt_mix_extra_time_has_the_compound_mean_and_variance() -> None:
     # Over 100 passes: 5 prompts on average.
-    _assert_two_class_compound(*_TWO_CLASS_MIX.extra_cdf(100), count=5.0)
+    table = _TWO_CLASS_MIX.extra_cdf_table([100], np.zeros(1))
+    _assert_two_class_compound(float(table.steps[0]), table.rows(0)[0], count=5.0)
 
 
 def test_a_prompt_rarer_than_the_tail_moves_the_variance_not_the_long_outputs_p99() -> None:
@@ -466,7 +467,8 @@ def test_a_prompt_rarer_than_the_tail_moves_the_variance_not_the_long_outputs_p9
 def test_prompts_queued_behind_a_prefill_add_to_the_compound_count() -> None:
     # As above, with 2 prompts more on average in the second row: 7 prompts, on
     # the grid both rows share.
-    step, cdf = _TWO_CLASS_MIX.extra_cdfs(100, np.array([0.0, 2.0]))
+    table = _TWO_CLASS_MIX.extra_cdf_table([100], np.array([0.0, 2.0]))
+    step, cdf = float(table.steps[0]), table.rows(0)
     _assert_two_class_compound(step, cdf[0], count=5.0)
     _assert_two_class_compound(step, cdf[1], count=7.0)
 

@@ -84,9 +84,9 @@ def test_each_m_is_its_own_distribution_in_one_table() -> None:
     behind = np.array([0.0, 1.5])
     table = _MIX.extra_cdf_table([40, 100, 400], behind)
     for j, m in enumerate((40, 100, 400)):
-        step, alone = _MIX.extra_cdfs(m, behind)
-        assert float(table.steps[j]) == step
-        np.testing.assert_allclose(table.rows(j), alone, atol=1e-12)
+        alone = _MIX.extra_cdf_table([m], behind)
+        assert table.steps[j] == alone.steps[0]
+        np.testing.assert_allclose(table.rows(j), alone.rows(0), atol=1e-12)
 
 
 def test_no_prompts_put_all_the_extra_time_at_zero() -> None:
