@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 from tests.conftest import REPO_ROOT, benchmark_module
 
@@ -67,6 +68,20 @@ def test_chunked_prefill_and_decode_compute_what_one_pass_would() -> None:
     assert _generate(budget=16) == whole
 
 
+def test_a_chunk_that_does_not_end_its_prompt_is_sampled_and_discarded() -> None:
+    # As vLLM does: a pass always samples, so its output waits for the whole pass.
+    engine = _engine()
+    scheduler = engine.Scheduler(16, max_num_seqs=4, max_len=256)
+    scheduler.add_request(engine.Request("long", list(range(40)), 4))
+    output = scheduler.schedule()
+    plan = engine.plan_pass(output)
+    assert plan.sample_rows == [15] and plan.sampled_for == [None]
+    decoder = engine.Decoder(engine.TINY, num_slots=4, max_len=256, device="cpu")
+    executor = engine.Executor(decoder, clock=lambda: 0.0)
+    executor.execute_model(output)
+    assert executor.sample_tokens(None) == {}
+
+
 def test_padded_decode_batches_compute_what_unpadded_ones_do() -> None:
     # The static, padded inputs that CUDA graphs replay (captured sizes 1, 2, 4 here:
     # a batch of 3 runs padded to 4, its padding in the spare slot), run eagerly.
@@ -91,6 +106,45 @@ def test_the_triton_decode_kernel_matches_sdpa() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, timeout=300)
     assert done.returncode == 0
+
+
+def _split_kernel_error(splits: int) -> float:
+    """Largest difference between the Triton decode kernel in ``splits`` parts and the
+    per-request SDPA reference, on contexts of 1 to 300 tokens (run under the interpreter)."""
+    engine = _engine()
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, slots, max_len = 4, 2, 16, 6, 320
+    cache_k = torch.randn(slots, kv_heads, max_len, head_dim, generator=gen)
+    cache_v = torch.randn(slots, kv_heads, max_len, head_dim, generator=gen)
+    lengths = torch.tensor([1, 63, 64, 65, 300], dtype=torch.int32)
+    slot_ids = torch.tensor([4, 0, 2, 1, 5], dtype=torch.int32)
+    q = torch.randn(5, heads, head_dim, generator=gen)
+    want, got = torch.empty_like(q), torch.empty_like(q)
+    engine.decode_attention(q, cache_k, cache_v, slot_ids, lengths, want, use_triton=False)
+    engine.decode_attention(q, cache_k, cache_v, slot_ids, lengths, got, True, splits)
+    return float((want - got).abs().max())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_a_context_split_over_programs_combines_to_the_whole_softmax() -> None:
+    # Splits of 64-token blocks: one split, splits that each hold part of the longest
+    # context, and more splits than any context has blocks (empty ones must weigh 0).
+    code = (
+        "from tests.unit.test_gpu_engine import _split_kernel_error;"
+        "errors = [_split_kernel_error(s) for s in (1, 3, 16)];"
+        "print(errors); assert max(errors) < 1e-4, errors"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, timeout=300)
+    assert done.returncode == 0
+
+
+def test_small_decode_batches_split_their_contexts_over_the_sms() -> None:
+    engine = _engine()
+    assert engine.decode_splits(requests=1, heads=32, sm_count=132) == 9
+    assert engine.decode_splits(requests=4, heads=32, sm_count=132) == 3
+    assert engine.decode_splits(requests=16, heads=32, sm_count=132) == 1
+    assert engine.decode_splits(requests=1, heads=4, sm_count=132) == engine.MAX_DECODE_SPLITS
 
 
 def test_the_recorder_records_every_pass_the_engine_ran(tmp_path: Path) -> None:
