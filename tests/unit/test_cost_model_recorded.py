@@ -111,21 +111,12 @@ def test_every_recording_at_least_as_accurate_as_ew_ols_and_near_the_nonlocal_fl
 ) -> None:
     """On every kept recording, prequentially, over the same passes: MAPE no worse than
     a plain exponentially weighted OLS (1,000-pass half-life), and within 1.25x of the
-    non-local noise floor (identical work done at other moments; the 8B GPU shape:
-    the bound below)."""
+    non-local noise floor (identical work done at other moments; the 8B GPU shape is
+    the closest, 1.21x when written)."""
     result = _score_recording(path)
     assert result["all"]["model"]["n"] > 1000
     assert result["model_mape_over_ew_ols"] <= 1.0
-    bound = FLOOR_RATIO_BOUND.get(path.name.split(".")[0], MAX_MAPE_OVER_FLOOR)
-    assert result["model_mape_over_noise_floor_nonlocal"] <= bound
-
-
-# The H200 8B shape: 1.37x when written, from its prefill-bearing passes (model 8.8%,
-# floor 4.0% on the floor's passes). Their time steps where a linear model cannot: one
-# prompt beside 95 decodes takes 17-18 ms at 67-170 prompt tokens and 28 ms at 460
-# (the model says 21 and 23), and the first 2,048-token chunks of the run, 57 ms, were
-# predicted at 20-39 ms before the model had seen one. Decode-only passes: 1.2x.
-FLOOR_RATIO_BOUND = {"fpm_recording_h200_eight_b": 1.4}
+    assert result["model_mape_over_noise_floor_nonlocal"] <= MAX_MAPE_OVER_FLOOR
 
 
 # Median signed error bounds per regime. The target is 3% everywhere; measured when
@@ -152,31 +143,49 @@ def _kind(name: str) -> str:
 
 GPU_RECORDINGS = [p for p in RECORDINGS if _kind(p.name.split(".")[0]) == "gpu"]
 MAX_GPU_MAPE = 0.05  # the issue's target for real CUDA step times
-# Measured when written: wide 2.8%; eight_b 5.7%. The 8B shape's prefill-bearing passes
-# (23% of them) are 13.6% MAPE: the stand-in engine runs them eagerly, one attention
-# call per prompt in each of 32 layers, so a small prefill waits on Python's kernel
-# launches (vLLM: one varlen FlashAttention call, piecewise CUDA graphs). Its
-# decode-only passes, replayed from graphs, are 3.5%.
-GPU_MAPE_BOUND = {"fpm_recording_h200_eight_b": 0.06}
-GPU_SIGNED_BOUND = 0.03  # the issue's, per regime; at most 0.5% when written
+# Measured when written: wide 2.8%, eight_b 4.9% (its prefill-bearing passes, 23% of
+# them and run eagerly by the stand-in engine, 11.2%; decode-only passes 3.1%).
+GPU_SIGNED_BOUND = 0.03  # the issue's, per regime; at most 0.8% when written
 
 
 @pytest.mark.parametrize("path", GPU_RECORDINGS, ids=lambda p: p.name.split(".")[0])
 def test_real_gpu_step_times_within_five_percent_and_unbiased(path: Path) -> None:
     """On CUDA-timed passes, where the same work takes the same time (non-local floor
-    1.5-3%), the model is within 5% MAPE (the 8B shape: the bound above), better than
-    the Dynamo-style regression, and within 3% at the median in every regime. Measured
-    when written: wide 2.8% (EW-OLS 3.6%, Dynamo-style 3.9%), eight_b 5.7% (11.1%,
-    7.1%); median signed -0.1% on both, every regime within 0.5%."""
+    1.5-3%), the model is within 5% MAPE, better than the Dynamo-style regression, and
+    within 3% at the median in every regime. Measured when written: wide 2.8% (EW-OLS
+    3.6%, Dynamo-style 3.9%), eight_b 4.9% (11.1%, 7.1%); median signed within 0.1%
+    on both, every regime within 0.8%."""
     result = _score_recording(path)
     model = result["all"]["model"]
     assert model["n"] > 2000
-    assert model["mape"] <= GPU_MAPE_BOUND.get(path.name.split(".")[0], MAX_GPU_MAPE), model
+    assert model["mape"] <= MAX_GPU_MAPE, model
     assert model["mape"] < result["all"]["baseline"]["mape"]
     by_regime = result["signed_by_regime"]["model"]
     assert all(abs(v) < GPU_SIGNED_BOUND for v in by_regime.values()), by_regime
     meta = json.loads(path.with_name(path.name.split(".")[0] + ".meta.json").read_text())
     assert meta["timing_check"]["scopes"]["model_step_cuda"] > 0.99 * meta["passes"]
+
+
+def test_a_kind_of_pass_first_seen_on_a_quiet_gpu_is_learned_within_a_few() -> None:
+    """The 8B recording's long-prompt phase brings 2,048-token chunks the model has not
+    seen, 2.2-2.9x what the fit of shorter prompts says. On a quiet GPU the stall
+    gate is narrow (residual scale ~0.04): before the unlearned regime's gate had a
+    floor, 15 of the first 30 such chunks were predicted more than 30% low (the first
+    13 of them in a row, over ~400 passes); now 4."""
+    path = REPO / "tests" / "data" / "fpm_recording_h200_eight_b.jsonl.gz"
+    bench = _bench()
+    msgs = [m for m in bench.load_recording(path) if m.wall_time > 0]
+    preds = bench.model_predictions(msgs)
+    wall = np.array([m.wall_time for m in msgs])
+    first = [
+        i
+        for i, m in enumerate(msgs)
+        if m.scheduled_requests.sum_prefill_tokens >= 1900
+        and m.scheduled_requests.sum_prefill_kv_tokens == 0
+    ][:30]
+    errors = np.abs(preds[first] - wall[first]) / wall[first]
+    assert errors[0] > 0.5  # the extrapolation was that far off at first
+    assert int((errors > 0.3).sum()) <= 6, np.round(errors, 2)
 
 
 @pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.name.split(".")[0])

@@ -32,8 +32,9 @@ faster than predicted is not an outlier, the fit is simply too high). Accepted
 passes get Huber weights on their relative residual about the centre, which bounds
 any pass's pull on the fit. A bucket with little data, or whose passes the gate
 has been rejecting most of the time for long (``misfit_half_life``: that is the
-model being wrong there, not stalls), gets a 3x wider gate, so an unlearned regime
-is not mistaken for a stall. A persistently slower engine moves the centre; while
+model being wrong there, not stalls), gets a 3x wider gate and knee, and at least
+``unlearned_factor`` (3x slower than predicted) whatever the noise, so an unlearned
+regime is not mistaken for a stall. A persistently slower engine moves the centre; while
 the median of the newest ``drift_window`` residuals is off by more than
 ``drift_floor`` (3%: the bias the model tolerates) the model is *drifting*
 and forgets at ``drift_half_life_passes`` without coverage floors, so it follows
@@ -100,12 +101,14 @@ class ResidualGate:
         drift_k: float,
         drift_floor: float,
         drift_window: int = 500,
+        unlearned_factor: float = 3.0,
     ) -> None:
         self.window = int(window)
         self.every = max(1, int(every))
         self.huber_k = float(huber_k)
         self.reject_k = float(reject_k)
         self.bucket_trust = float(bucket_trust)
+        self.unlearned_factor = max(float(unlearned_factor), 1.0)
         self.drift_k = float(drift_k)
         self.drift_floor = float(drift_floor)
         self.drift_window = max(1, min(int(drift_window), self.window))
@@ -134,6 +137,7 @@ class ResidualGate:
             self.drift_k,
             self.drift_floor,
             self.drift_window,
+            self.unlearned_factor,
         )
         gate._misfit_decay = self._misfit_decay
         return gate
@@ -198,20 +202,29 @@ class ResidualGate:
             return np.ones(n)
         r = np.nan_to_num(log_res, nan=0.0)
         excess = r - self.center
+        # A bucket is trusted once it holds data and the gate has not been rejecting
+        # most of its passes for long: that is the model being wrong there, not stalls
+        # (a stall run is a few hundred passes; the rejection rate has a longer memory).
+        trusted = (bucket_counts[buckets] >= self.bucket_trust) & (self._reject_rate[buckets] < 0.5)
         # Huber on the relative residual (what the weighted least squares sees, so a
         # pass's pull is bounded by the knee whatever its size), taken about the
         # centre: after an engine change every pass is off, and all must count fully.
         abs_rel = np.abs(np.expm1(excess))
         knee = self.huber_k * scale
-        weight = np.minimum(1.0, knee / np.maximum(abs_rel, 1e-300))
-        # A bucket is trusted once it holds data and the gate has not been rejecting
-        # most of its passes for long: that is the model being wrong there, not stalls
-        # (a stall run is a few hundred passes; the rejection rate has a longer memory).
-        trusted = (bucket_counts[buckets] >= self.bucket_trust) & (self._reject_rate[buckets] < 0.5)
         gate = self.reject_k * scale
-        # Untrusted buckets get a wider gate (3x, in log units: e.g. 3x slower rather
-        # than 1.35x): wide enough for an unlearned regime, not for a full stall.
-        rejected = np.where(trusted, excess > gate, excess > 3.0 * gate) & ~uncovered
+        # An unlearned regime (an untrusted bucket) is off by the model's error, not by
+        # noise: its knee and gate are 3x as wide, and never narrower than
+        # ``unlearned_factor`` (full weight up to 3x slower than predicted; stalls are
+        # 10-30x). Tied to the scale alone, a quiet GPU's (~0.04) let 1.43x through:
+        # the first 2,048-token chunks of an H200 run, 2.2-2.9x their extrapolation,
+        # were rejected as stalls for 400 passes and predicted 40-65% low meanwhile.
+        wide = math.log(self.unlearned_factor)
+        knee_untrusted = max(3.0 * knee, math.expm1(wide))
+        gate_untrusted = max(3.0 * gate, wide)
+        weight = np.minimum(
+            1.0, np.where(trusted, knee, knee_untrusted) / np.maximum(abs_rel, 1e-300)
+        )
+        rejected = np.where(trusted, excess > gate, excess > gate_untrusted) & ~uncovered
         weight[rejected] = 0.0
         self._track_reject_rate(buckets, rejected)
         return weight

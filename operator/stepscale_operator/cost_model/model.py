@@ -82,6 +82,7 @@ class CostModel:
         reject_k: float = 3.0,
         bucket_trust: float = 20.0,
         misfit_half_life: float = 500.0,
+        unlearned_factor: float = 3.0,
         bucket_half_life: float = 2000.0,
         drift_k: float = 0.0,
         drift_floor: float = 0.03,
@@ -142,6 +143,7 @@ class CostModel:
             misfit_half_life,
             drift_k,
             drift_floor,
+            unlearned_factor=unlearned_factor,
         )
         self.plausibility = Plausibility(budget_factor, budget_floor, fast_factor)
         self.ledger = StreamLedger(
