@@ -218,9 +218,8 @@ class ResidualGate:
         # 10-30x). Tied to the scale alone, a quiet GPU's (~0.04) let 1.43x through:
         # the first 2,048-token chunks of an H200 run, 2.2-2.9x their extrapolation,
         # were rejected as stalls for 400 passes and predicted 40-65% low meanwhile.
-        wide = math.log(self.unlearned_factor)
-        knee_untrusted = max(3.0 * knee, math.expm1(wide))
-        gate_untrusted = max(3.0 * gate, wide)
+        knee_untrusted = max(3.0 * knee, self.unlearned_factor - 1.0)
+        gate_untrusted = max(3.0 * gate, math.log(self.unlearned_factor))
         weight = np.minimum(
             1.0, np.where(trusted, knee, knee_untrusted) / np.maximum(abs_rel, 1e-300)
         )
