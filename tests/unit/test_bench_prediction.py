@@ -78,3 +78,43 @@ def _anatomy() -> Callable[..., dict[str, float]]:
         "slow_request_anatomy"
     ).slow_request_anatomy
     return anatomy
+
+
+def _held_run(pairs: list[tuple[float, float]], slo_ms: float = 40.0) -> dict[str, object]:
+    """A held run of 7 whose window at 5 s * i had predicted and simulated p99 ITL ``pairs[i]``."""
+    return {
+        "run": "scenario@7",
+        "replicas": 7,
+        "itl_slo_ms": slo_ms,
+        "itl_p99_across": [(5.0 * i, {"7": p, "6": 2.0 * p}) for i, (p, _) in enumerate(pairs)],
+        "window_itl_p99": {f"{5.0 * i:.1f}": s for i, (_, s) in enumerate(pairs)},
+    }
+
+
+def test_calibration_is_binned_by_the_prediction_not_the_outcome() -> None:
+    # A model right on average: each prediction's window ran 0.8x, 1x or 1.25x of it.
+    # Binned by the prediction (20 ms: half the SLO; 36 ms: 0.9 of it) every band
+    # reads 1.00. Binned by the outcome, the 45 ms window (1.25x of 36) would sit in
+    # the band above the SLO and read under-predicted (0.80) for a model that is not.
+    spread = (0.8, 1.0, 1.25)
+    pairs = [(p, p * k) for p in (20.0, 36.0) for k in spread]
+    cells = _bench().calibration_by_band([_held_run(pairs)])["scenario@7"]
+    bands = _bench().ITL_BANDS
+    by_band = dict(zip(bands, cells, strict=True))
+    assert by_band[(0.0, 0.6)] == pytest.approx((1.0, 3))
+    assert by_band[(0.8, 1.0)] == pytest.approx((1.0, 3))
+    assert by_band[(1.0, 1.25)][1] == 0 and math.isnan(by_band[(1.0, 1.25)][0])
+    # The count held (7), not another the run also predicted at (6: twice as high).
+    assert sum(count for _, count in cells) == len(pairs)
+
+
+def test_a_model_low_near_the_slo_shows_in_that_band_alone() -> None:
+    # Right at low load, 10% low where it predicts 0.8-1.0 of the SLO; an infeasible
+    # prediction (inf) and a window with no simulated value are left out.
+    pairs = [(20.0, 20.0)] * 5 + [(36.0, 40.0)] * 5 + [(math.inf, 90.0)]
+    run = _held_run(pairs)
+    run["itl_p99_across"].append((500.0, {"7": 30.0}))  # type: ignore[union-attr]
+    cells = _bench().calibration_by_band([run])["scenario@7"]
+    assert cells[0] == pytest.approx((1.0, 5))
+    assert cells[2] == pytest.approx((0.9, 5))
+    assert sum(count for _, count in cells) == 10
