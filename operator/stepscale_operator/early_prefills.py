@@ -21,7 +21,8 @@ large. Per span, over the window, weighted by the prompts that finished:
 
 * the **lift** ``sum K / (m sum s)``: how much more often a request's first ``m``
   passes carry prefill than its replica's passes at large (1: no different); the
-  latency model multiplies the share it predicts at any count by it. Against each
+  latency model multiplies the share it predicts at any count by it (carried to
+  another count with the router's pick, see ``latency_model``). Against each
   replica's own share, not the fleet's: pooled, a replica busy with prefill and
   one left nearly idle read as clumping (on the simulator's silence-burst
   scale-up the pooled lift reached 7 and held 35 replicas where 4 would do);
@@ -95,6 +96,13 @@ class EarlyPrefills:
     spans: tuple[int, ...]
     lift: tuple[float, ...]  # share of prefill passes there over the share at large
     overdispersion: tuple[float, ...]  # rho of the count over a binomial (0 at m = 1)
+
+    def scaled(self, factor: float) -> EarlyPrefills:
+        """The same measurement with every lift times ``factor`` (the overdispersion
+        kept): what the latency model carries to another replica count."""
+        return EarlyPrefills(
+            self.spans, tuple(lift * factor for lift in self.lift), self.overdispersion
+        )
 
     def at(self, m: int) -> tuple[float, float]:
         """(lift, rho) at ``m`` intervals: linear in log m between the measured

@@ -2017,3 +2017,35 @@ def test_prefill_exposure_gives_the_decode_tokens_that_prefill_passes_carry() ->
     assert prefill_exposure(0.0, 0.5) == 1.0
     assert prefill_exposure(0.5, 0.0) == 1.0  # no decodes: the count stays finite
     assert prefill_exposure(2.0, 0.5) == 0.0
+
+
+def test_the_lift_of_a_requests_first_passes_is_carried_to_other_counts_with_the_router() -> None:
+    # Short outputs set the ITL (1-3 intervals), and their first passes were
+    # measured on 4 replicas to carry prefill twice as often as passes at large. A
+    # balancing router that kept prompts off replicas busy with decodes there (a
+    # measured deficit) keeps them off more as the fleet grows, so the lift is
+    # carried to another count with the decodes a prefill pass carries there: at 8
+    # replicas the p99 ITL is below that of a router that picks any replica (no
+    # deficit). At the measured count the lift is as measured, whatever the deficit
+    # (short outputs take no other exposure).
+    from stepscale_operator.early_prefills import SPANS, EarlyPrefills
+
+    shares = tuple(1.0 / 3.0 if first in (1, 2, 3) else 0.0 for first, _ in OUTPUT_INTERVAL_BINS)
+    early = EarlyPrefills(SPANS, (2.0,) * len(SPANS), (0.2,) * len(SPANS))
+    base = replace(
+        load_of(20.0, prompt=500.0, output=20.0),
+        output_interval_shares=shares,
+        early_prefills=early,
+    )
+
+    def p99(deficit: float, replicas: int) -> float:
+        load = replace(base, prefill_pass_decode_deficit=deficit)
+        assert load.streams_total - load.streams_missing == 4  # measured on 4
+        per = PerReplicaLoad.from_estimate(load, replicas)
+        return predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), replicas).itl_ms
+
+    assert p99(0.5, 4) == pytest.approx(p99(0.0, 4), rel=1e-9)
+    assert p99(0.5, 8) < 0.8 * p99(0.0, 8)
+    # Without a measured deficit the lift is carried unchanged: more replicas help
+    # only by the lower share.
+    assert p99(0.0, 8) <= p99(0.0, 4)
