@@ -26,9 +26,9 @@ the predicted p99 ITL at ``n`` (load measured at ``n0``) over the simulated p99
 ITL of the same window on the fleet held at ``n``. Then, per held count, that
 ratio at the count itself by the band its prediction fell in (a share of the
 SLO): the planner's decisions rest on the bands near 1.0, which a median over
-every window, mostly calm ones, hides. On the trace x20 the model read 0.96-0.97
-overall at 7 and 8 but 0.91-0.97 where it predicted 0.8-1.0 of the SLO and
-0.79-0.92 above it.
+every window, mostly calm ones, hides. On the trace x20 held at 7 and 8 the model
+read 0.96 and 0.98 over every window, but 0.97 and 0.93 where it predicted
+0.8-1.0 of the SLO and 0.92 and 0.79 above it.
 
     PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_prediction.py
 """
