@@ -27,9 +27,9 @@ ITL of the same window on the fleet held at ``n``. Every held run (``@n`` with
 ``n`` above 0, with or without ``--across``) also gives that ratio at its own
 count by the band its prediction fell in (a share of the ITL SLO): the planner's
 decisions rest on the bands near 1.0, which a median over every window, mostly
-calm ones, hides. On the trace x20 held at 7 and 8 the model
-read 0.96 and 0.98 over every window, but 0.97 and 0.93 where it predicted
-0.8-1.0 of the SLO and 0.92 and 0.79 above it.
+calm ones, hides. On the trace x20 held at 7 and 8 the model read 0.96 and 0.98
+over every window, but 0.97 and 0.93 where it predicted 0.8-1.0 of the SLO and
+0.92 and 0.79 above it.
 
     PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_prediction.py
 """
