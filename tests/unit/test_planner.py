@@ -2019,6 +2019,33 @@ def test_prefill_exposure_gives_the_decode_tokens_that_prefill_passes_carry() ->
     assert prefill_exposure(2.0, 0.5) == 0.0
 
 
+def test_short_outputs_meet_only_the_prompts_a_balancing_router_sends_to_busy_replicas() -> None:
+    # Outputs of 6-11 intervals alone, no lift measured: what they meet is the
+    # chain of prefill passes. A measured deficit says the router sends prompts
+    # to replicas with fewer decodes, so a decode meets fewer of them: the share of
+    # requests slowed by a prefill falls with the exposure, as the long outputs'
+    # prompts do (unthinned, bursty code held at 22 replicas had 5x the simulated
+    # share of such outputs meeting a prefill).
+    shares = tuple(0.5 if first in (6, 8) else 0.0 for first, _ in OUTPUT_INTERVAL_BINS)
+    # Busy replicas (over two decodes at a time), so the deficit means prompts
+    # kept off them (over batches below one a prefill pass can carry more).
+    base = replace(load_of(100.0, prompt=200.0, output=9.0), output_interval_shares=shares)
+
+    def predicted(deficit: float) -> tuple[float, float]:
+        load = replace(base, prefill_pass_decode_deficit=deficit)
+        per = PerReplicaLoad.from_estimate(load, 4)
+        prediction = predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), 4)
+        return prediction.itl_ms, prediction.itl_mean_ms
+
+    spread, spread_mean = predicted(0.0)
+    some, _ = predicted(0.6)
+    kept_off, kept_off_mean = predicted(1.2)
+    assert kept_off < some < spread
+    assert kept_off < 0.85 * spread
+    # The mean pass is the fleet's whatever the router: only who meets it moves.
+    assert kept_off_mean == pytest.approx(spread_mean, rel=1e-9)
+
+
 def test_the_lift_of_a_requests_first_passes_is_carried_to_other_counts_with_the_router() -> None:
     # Short outputs set the ITL (1-3 intervals), and their first passes were
     # measured on 4 replicas to carry prefill twice as often as passes at large. A
@@ -2026,8 +2053,10 @@ def test_the_lift_of_a_requests_first_passes_is_carried_to_other_counts_with_the
     # measured deficit) keeps them off more as the fleet grows, so the lift is
     # carried to another count with the decodes a prefill pass carries there: at 8
     # replicas the p99 ITL is below that of a router that picks any replica (no
-    # deficit). At the measured count the lift is as measured, whatever the deficit
-    # (short outputs take no other exposure).
+    # deficit). At the measured count the lift is as measured, and the exposure
+    # that thins the chain is 1 here (half a decode per replica over time: a
+    # prefill pass carries the one decode any pass carries), so the deficit moves
+    # nothing there.
     from stepscale_operator.early_prefills import SPANS, EarlyPrefills
 
     shares = tuple(1.0 / 3.0 if first in (1, 2, 3) else 0.0 for first, _ in OUTPUT_INTERVAL_BINS)
