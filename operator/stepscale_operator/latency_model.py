@@ -664,8 +664,6 @@ def _itl_tail(
     # A thinned count (dispersion 1 + e (D - 1)) was tried again with the own
     # context below: long context's p99 ITL bias -37.6% -> -22.5%, but bursty
     # code's fleet shrank 6% and its attainment fell 99.31% -> 98.89%.
-    # Short outputs meet the same prompts, so their chain of prefill passes is
-    # thinned by the same exposure (see the chain below).
     # Measured at one count, carried to this one (see router_pick).
     exposure = prefill_exposure_at(
         load.prefill_pass_decode_deficit,
@@ -681,7 +679,8 @@ def _itl_tail(
         PassTimes(f_d, f_p, step),
         # A decode's passes carry the prompts its replica is sent, which a balancing
         # router keeps off busy replicas: the share the decodes meet is the
-        # replica's times the exposure, as for long outputs. Unthinned, bursty code
+        # replica's times the exposure, as for long outputs (whose count keeps its
+        # variance; the chain's is thinned with its share). Unthinned, bursty code
         # held at 22 replicas (exposure 0.14) put the share of 6-11-token outputs
         # that met a prefill at 5x the simulated (10.6% against 2.0%) and the p99
         # ITL at 1.8x; at 11 (exposure 0.62) 1.4x and 1.2x (docs/planner-history.md,
