@@ -730,6 +730,14 @@ def _early_prefills_at(
     made the short outputs' p99 ITL almost flat in the count: on bursty code, 11
     replicas predicted from 5 at 1.83x their simulated p99 and 5 from 11 at 0.73x
     (docs/planner-history.md, 2026-11-30 seventh).
+
+    The lift multiplies the chain's share, which :func:`_itl_tail` has thinned by
+    the exposure at ``replicas`` since (2026-11-30 eighth), so across counts the
+    router's pick enters the first passes twice: through the chain and through
+    this carry. Measured, not over-corrected (bursty code held at 5, 8 and 11: 11
+    from 5 at 1.26x the simulated p99, 1.39x before the thinning), but the two
+    are not yet one rule: outputs of 1-4 tokens read 0.47-0.77x as often meeting
+    a prefill as simulated.
     """
     early = load.early_prefills
     measured = load.measured_replicas
