@@ -15,8 +15,10 @@ its predictions: a mean step's prompt tokens times the router's exposure) and wh
 the simulated engines did over the window each prediction measured (the medians
 over windows, and the median of their ratio). Then, per run, what the
 requests above the run's p99 ITL met while they decoded, beside a sample of
-short outputs (``slow_request_anatomy.py``). Prints the tables; writes
-``bench_prediction.json``.
+short outputs (``slow_request_anatomy.py``), and per held run, by output
+length, the share of short outputs the model has meet a prefill pass while
+they decode against the share that did (:func:`short_output_calibration`).
+Prints the tables; writes ``bench_prediction.json``.
 
 ``--across scenario@6,8,12,16`` holds the fleet at each of those counts and has
 the model also predict, from the load measured there, the p99 ITL at each of the
@@ -42,18 +44,25 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_policies as bp  # noqa: E402
 from slow_request_anatomy import CLUMP_S, SHORT_TOKENS, slow_request_anatomy  # noqa: E402
 
-from stepscale_operator.latency_model import PerReplicaLoad, predict_latency  # noqa: E402
+from stepscale_engine.wire import ForwardPassMetrics  # noqa: E402
+from stepscale_operator.latency_model import (  # noqa: E402
+    PerReplicaLoad,
+    predict_latency,
+    short_output_prefill_counts,
+)
 from stepscale_operator.simulator import readme_scenarios as readme  # noqa: E402
 from stepscale_operator.simulator.fleet import Fleet, FleetView, SimResult  # noqa: E402
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B  # noqa: E402
@@ -93,6 +102,9 @@ class HeldFleetPolicy(PlannerDrivenPolicy):
     # Counts to predict the p99 ITL at as well, from the same load (``--across``).
     across: tuple[int, ...] = ()
     predicted_across: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # Per prediction at the held count: (time, P(K >= 1) for outputs of 1..SHORT_INTERVALS
+    # intervals), the prefill passes the model has a short output meet.
+    short_meets: list[tuple[float, list[float]]] = field(default_factory=list)
 
     def desired(self, view: FleetView) -> int:
         """The planner's decision is made (and its prediction recorded); the fleet
@@ -109,7 +121,41 @@ class HeldFleetPolicy(PlannerDrivenPolicy):
                 )
                 at[n] = pred.itl_ms if pred.feasible else math.inf
             self.predicted_across.append((view.now, at))
+        if self.replicas > 0 and len(self.checks) > checks:
+            load = self.model.estimate(view.now)
+            counts = short_output_prefill_counts(
+                self.model.cost_model,
+                PerReplicaLoad.from_estimate(load, self.replicas),
+                self.setup.limits,
+                self.planner.policy,
+                self.replicas,
+                SHORT_INTERVALS,
+            )
+            if counts:
+                self.short_meets.append((view.now, [1.0 - float(c[0]) for c in counts]))
         return self.replicas if self.replicas > 0 else decided
+
+
+class PrefillPassLog:
+    """An FPM tap that keeps each simulated pass's end time, replica and whether it
+    carried prefill (what a short output met, to set against the model)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, float, bool]] = []
+
+    def __call__(self, batch: Sequence[tuple[float, ForwardPassMetrics]]) -> None:
+        for when, msg in batch:
+            if msg.is_heartbeat:
+                continue
+            sched = msg.scheduled_requests
+            replica = int(msg.worker_id.rsplit("-", 1)[1])  # the simulator's "sim-<index>"
+            self.rows.append((replica, when, sched.num_prefill_requests > 0))
+
+    def replica_stopped(self, worker_id: str) -> None:
+        """Nothing to end: the log is read after the run."""
+
+    def close(self) -> None:
+        """Nothing to close."""
 
 
 def scenario_traffic(name: str, duration_s: float, seed: int) -> tuple[Traffic, ScalingSetup]:
@@ -141,7 +187,8 @@ def run_one(job: tuple[str, float, int, int, tuple[int, ...]]) -> dict[str, obje
     policy = HeldFleetPolicy(setup=setup, replicas=replicas, across=own)
     began = time.perf_counter()
     config = setup.fleet_config(H100_LLAMA_8B, replicas or start, seed)
-    result = Fleet(traffic, policy, config).run()
+    log = PrefillPassLog()
+    result = Fleet(traffic, policy, config, fpm_tap=log).run()
     errors = prediction_errors(policy, result)
     held = [check.replicas for check in policy.checks]
     pred, sim, ratio = beside_decodes_by_window(
@@ -162,6 +209,14 @@ def run_one(job: tuple[str, float, int, int, tuple[int, ...]]) -> dict[str, obje
             (t, {str(n): v for n, v in at.items()}) for t, at in policy.predicted_across
         ],
         "window_itl_p99": window_itl_p99(result, [t for t, _ in policy.predicted_across]),
+        "short_outputs_meeting_prefill": short_output_calibration(
+            policy.short_meets,
+            np.array(log.rows, dtype=np.float64).reshape(-1, 3),
+            result.requests.first_token_s,
+            result.requests.finish_s,
+            result.replica_of,
+            result.traffic.output_tokens,
+        ),
         "slow_requests": slow_request_anatomy(
             result.traffic.arrival_s,
             result.requests.first_token_s,
@@ -171,6 +226,53 @@ def run_one(job: tuple[str, float, int, int, tuple[int, ...]]) -> dict[str, obje
             request_latencies(result).itl_ms,
         ),
     }
+
+
+# Outputs of up to this many intervals (tokens - 1) are set against the model's
+# prefill passes (:func:`short_output_calibration`).
+SHORT_INTERVALS = 16
+
+
+def short_output_calibration(
+    predicted: list[tuple[float, list[float]]],
+    passes: npt.NDArray[np.float64],
+    first_token_s: npt.NDArray[np.float64],
+    finish_s: npt.NDArray[np.float64],
+    replica: npt.NDArray[np.int64],
+    output_tokens: npt.NDArray[np.int64],
+) -> dict[str, list[float]]:
+    """Per output length of 2..``SHORT_INTERVALS + 1`` tokens: [the share of such
+    requests the model has meet at least one prefill pass, the share that did in
+    the simulation, requests]. Each request is set against the last prediction
+    before its first token; it met a prefill if a pass on its replica that ended
+    after its first token and by its last carried one. ``passes`` holds (replica,
+    end time, carried prefill) rows. Lengths with no request are left out.
+
+    The planner's p99 ITL on short-output traffic is set by this share, so a
+    model low here is low there (bursty code held at 5 and 11 replicas: 0.65-0.75x
+    and 0.3-0.6x; docs/planner-history.md, 2026-12-01)."""
+    out: dict[str, list[float]] = {}
+    if not predicted or passes.size == 0:
+        return out
+    times = np.array([t for t, _ in predicted])
+    meets = np.array([m for _, m in predicted])
+    done = np.isfinite(first_token_s) & np.isfinite(finish_s)
+    met = np.zeros(first_token_s.size, dtype=bool)
+    for r in np.unique(replica[done]):
+        mine = passes[passes[:, 0] == r]
+        mine = mine[np.argsort(mine[:, 1], kind="stable")]
+        carried = np.concatenate([[0.0], np.cumsum(mine[:, 2])])
+        ids = np.flatnonzero(done & (replica == r))
+        after = np.searchsorted(mine[:, 1], first_token_s[ids], side="right")
+        by_last = np.searchsorted(mine[:, 1], finish_s[ids], side="right")
+        met[ids] = carried[by_last] - carried[after] > 0.0
+    which = np.searchsorted(times, first_token_s, side="right") - 1
+    for tokens in range(2, SHORT_INTERVALS + 2):
+        ids = np.flatnonzero(done & (output_tokens == tokens) & (which >= 0))
+        if ids.size:
+            model = float(meets[which[ids], tokens - 2].mean())
+            out[str(tokens)] = [model, float(met[ids].mean()), float(ids.size)]
+    return out
 
 
 def window_itl_p99(
@@ -355,6 +457,23 @@ def main(argv: list[str] | None = None) -> int:
             f"{a['short_prefills']:15.2f} {a['short_clump_prefills']:6.2f} "
             f"{a['short_ttft_ms']:7.0f}"
         )
+    lengths = (2, 3, 4, 6, 8, 11, 14, 17)
+    print(
+        "\nShort outputs meeting a prefill pass while they decode, by output tokens: "
+        "the model's share over the simulated (requests); held runs"
+    )
+    print(f"{'run':28} " + "".join(f"{f'{n} tok':>14}" for n in lengths))
+    for row in rows:
+        cal = row["short_outputs_meeting_prefill"]
+        assert isinstance(cal, dict)
+        if not cal:
+            continue
+        shown = []
+        for n in lengths:
+            model, simulated, count = cal.get(str(n), (math.nan, math.nan, 0.0))
+            ratio = model / simulated if simulated > 0.0 else math.nan
+            shown.append(f"{f'{ratio:.2f} ({count:.0f})':>14}")
+        print(f"{row['run']:28} " + "".join(shown))
     report: dict[str, object] = {"args": vars(args), "runs": rows}
     if across:
         matrix = across_matrix(rows)

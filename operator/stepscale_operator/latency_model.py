@@ -47,6 +47,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from stepscale_engine.wire import ScheduledRequestMetrics
 from stepscale_operator.early_prefills import EarlyPrefills
 from stepscale_operator.itl_quantile import (
@@ -643,8 +646,7 @@ def _itl_tail(
     step, f_d, prefills = steady.step, steady.decode_s, steady.prefills
     chunks_mean = sum(n * p for n, _, p in prefills)
     f_p = sum(n * f * p for n, f, p in prefills) / max(chunks_mean, 1e-9)
-    prefill_step_share = min(rate * chunks_mean * step, 1.0)
-    variance_per_pass = prefill_step_share * (queue.dispersion + queue.service_cv2)
+    _, variance_per_pass = _prefill_pass_share(steady, queue, rate)
     own_context = _own_context_shifts(
         load, f_d, lambda own: passes.time(steady.pass_batch, 0.0, 0.0, own)
     )
@@ -664,28 +666,12 @@ def _itl_tail(
     # A thinned count (dispersion 1 + e (D - 1)) was tried again with the own
     # context below: long context's p99 ITL bias -37.6% -> -22.5%, but bursty
     # code's fleet shrank 6% and its attainment fell 99.31% -> 98.89%.
-    # Measured at one count, carried to this one (see router_pick).
-    exposure = prefill_exposure_at(
-        load.prefill_pass_decode_deficit,
-        load.measured_replicas,
-        replicas,
-        steady.batch,
-        queue.busy,
-        queue.queued_per_busy,
-        policy.balanced_routing,
-    )
+    short = _short_output_passes(steady, queue, load, policy, rate, replicas)
+    exposure = short.exposure
     # Measured output lengths: the quantile over them (short outputs set it).
     itl = itl_distribution(
         PassTimes(f_d, f_p, step),
-        # A decode's passes carry the prompts its replica is sent, which a balancing
-        # router keeps off busy replicas: the share the decodes meet is the
-        # replica's times the exposure, as for long outputs (whose count keeps its
-        # variance; the chain's is thinned with its share). Unthinned, bursty code
-        # held at 22 replicas (exposure 0.14) put the share of 6-11-token outputs
-        # that met a prefill at 5x the simulated (10.6% against 2.0%) and the p99
-        # ITL at 1.8x; at 11 (exposure 0.62) 1.4x and 1.2x (docs/planner-history.md,
-        # 2026-11-30 eighth).
-        PrefillPassChain.of(min(prefill_step_share * exposure, 1.0), variance_per_pass * exposure),
+        short.chain,
         load.output_intervals,
         variance_per_pass,
         PromptMix(
@@ -699,7 +685,7 @@ def _itl_tail(
         load.decode_tokens_per_s / rate if rate > 0.0 else 0.0,
         own_context,
         # Short outputs: the lift of a request's first passes, carried to this count.
-        _early_prefills_at(load, exposure, steady.batch, replicas),
+        short.early,
         # A prompt of several chunks holds the prefill budget for all but its
         # last pass; the prompts that arrive meanwhile queue behind it and are
         # prefilled in its request's first passes, so the longest prompts' own
@@ -709,6 +695,86 @@ def _itl_tail(
         else (),
     )
     return itl, exposure
+
+
+def _prefill_pass_share(
+    steady: _SteadyStep, queue: _PrefillQueue, rate: float
+) -> tuple[float, float]:
+    """(the replica's share of passes that carry prefill, the variance per pass of
+    their count over a long window): prompts per second times chunks times the
+    mean pass, and that times the arrivals' dispersion plus the service's CV^2."""
+    chunks_mean = sum(n * p for n, _, p in steady.prefills)
+    share = min(rate * chunks_mean * steady.step, 1.0)
+    return share, share * (queue.dispersion + queue.service_cv2)
+
+
+@dataclass(frozen=True)
+class _ShortOutputPasses:
+    """What a short output's intervals meet: the chain of prefill passes, the
+    measured lift of its first passes carried to this count, and the router's
+    exposure both took."""
+
+    chain: PrefillPassChain
+    early: EarlyPrefills | None
+    exposure: float
+
+
+def _short_output_passes(
+    steady: _SteadyStep,
+    queue: _PrefillQueue,
+    load: PerReplicaLoad,
+    policy: LatencySettings,
+    rate: float,
+    replicas: int,
+) -> _ShortOutputPasses:
+    """The prefill passes short outputs meet at ``replicas`` (see :func:`_itl_tail`)."""
+    share, variance_per_pass = _prefill_pass_share(steady, queue, rate)
+    # Measured at one count, carried to this one (see router_pick).
+    exposure = prefill_exposure_at(
+        load.prefill_pass_decode_deficit,
+        load.measured_replicas,
+        replicas,
+        steady.batch,
+        queue.busy,
+        queue.queued_per_busy,
+        policy.balanced_routing,
+    )
+    # A decode's passes carry the prompts its replica is sent, which a balancing
+    # router keeps off busy replicas: the share the decodes meet is the replica's
+    # times the exposure, as for long outputs (whose count keeps its variance; the
+    # chain's is thinned with its share). Unthinned, bursty code held at 22
+    # replicas (exposure 0.14) put the share of 6-11-token outputs that met a
+    # prefill at 5x the simulated (10.6% against 2.0%) and the p99 ITL at 1.8x; at
+    # 11 (exposure 0.62) 1.4x and 1.2x (docs/planner-history.md, 2026-11-30 eighth).
+    chain = PrefillPassChain.of(min(share * exposure, 1.0), variance_per_pass * exposure)
+    return _ShortOutputPasses(
+        chain, _early_prefills_at(load, exposure, steady.batch, replicas), exposure
+    )
+
+
+def short_output_prefill_counts(
+    predictor: StepTimePredictor,
+    load: PerReplicaLoad,
+    engine: EngineLimits,
+    policy: LatencySettings,
+    replicas: int,
+    longest: int,
+) -> list[npt.NDArray[np.float64]]:
+    """For outputs of m = 1..``longest`` intervals, P(K = k), k = 0..m: the prefill
+    passes the model has such a request meet at ``replicas`` (entry ``m - 1``), as
+    its ITL tail takes them. Empty where it takes none: output lengths not
+    measured, or the replica overloaded. For benchmarks that set it against the
+    simulated passes (``bench_prediction.py``)."""
+    rate, prompt, classes = _prompt_classes(load)
+    passes = _Passes(predictor, load.mean_decode_context_tokens, load.mean_cached_tokens)
+    steady = _steady_step(passes, load, engine, rate, prompt, classes, replicas)
+    if isinstance(steady, LatencyPrediction) or not load.output_intervals:
+        return []
+    queue = _prefill_queue(passes, steady, load, policy, rate, classes, replicas)
+    if isinstance(queue, LatencyPrediction):
+        return []
+    short = _short_output_passes(steady, queue, load, policy, rate, replicas)
+    return short.chain.after_first_token(longest, short.early)
 
 
 def _early_prefills_at(

@@ -118,3 +118,27 @@ def test_a_model_low_near_the_slo_shows_in_that_band_alone() -> None:
     assert cells[0] == pytest.approx((1.0, 5))
     assert cells[2] == pytest.approx((0.9, 5))
     assert sum(count for _, count in cells) == 10
+
+
+def test_a_short_output_met_a_prefill_only_on_its_replica_between_its_tokens() -> None:
+    # Replica 0 runs a pass every 10 ms; the pass ending at 0.05 s carries prefill.
+    # A (2 tokens: one interval, the pass ending at 0.03) met none; B (3 tokens,
+    # passes ending at 0.05 and 0.06) met it; C (3 tokens, first token at 0.05: the
+    # prefill pass made it) met none after. D, on replica 1 at the same time, met
+    # none: replica 0's prefill is not its. E's first token comes before the first
+    # prediction, so it is not judged.
+    rows = [(0.0, 0.01 * i, i == 5) for i in range(1, 11)]
+    rows += [(1.0, 0.01 * i, False) for i in range(1, 11)]
+    passes = np.array(rows, dtype=np.float64)
+    first = np.array([0.02, 0.04, 0.05, 0.04, 0.001])
+    finish = np.array([0.03, 0.06, 0.07, 0.06, 0.03])
+    replica = np.array([0, 0, 0, 1, 0], dtype=np.int64)
+    tokens = np.array([2, 3, 3, 3, 2], dtype=np.int64)
+    model = [0.1 * m for m in range(1, 17)]  # P(K >= 1) for 1..16 intervals
+    cal = _bench().short_output_calibration(
+        [(0.01, model)], passes, first, finish, replica, tokens
+    )
+    assert cal["2"] == pytest.approx([0.1, 0.0, 1.0])  # A alone (E not judged)
+    assert cal["3"] == pytest.approx([0.2, 1.0 / 3.0, 3.0])  # B met it; C and D did not
+    assert set(cal) == {"2", "3"}
+    assert _bench().short_output_calibration([], passes, first, finish, replica, tokens) == {}

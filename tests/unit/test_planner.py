@@ -2019,6 +2019,39 @@ def test_prefill_exposure_gives_the_decode_tokens_that_prefill_passes_carry() ->
     assert prefill_exposure(2.0, 0.5) == 0.0
 
 
+def test_the_prefill_passes_short_outputs_meet_are_those_their_itl_tail_takes() -> None:
+    # What the benchmarks set against the simulated passes: per output of m = 1..4
+    # intervals, P(K = k) of the prefill passes among them; a measured lift of a
+    # request's first passes raises the chance of meeting one, more replicas lower
+    # it, and without measured output lengths the ITL tail takes no chain at all.
+    from stepscale_operator.early_prefills import SPANS, EarlyPrefills
+    from stepscale_operator.latency_model import short_output_prefill_counts
+
+    shares = (1.0 / len(OUTPUT_INTERVAL_BINS),) * len(OUTPUT_INTERVAL_BINS)
+    base = replace(load_of(20.0, prompt=500.0, output=20.0), output_interval_shares=shares)
+
+    def meets(load: LoadEstimate, replicas: int) -> list[float]:
+        per = PerReplicaLoad.from_estimate(load, replicas)
+        counts = short_output_prefill_counts(
+            LinearStepTime(), per, ENGINE, PlannerPolicy(), replicas, 4
+        )
+        assert [c.size for c in counts] == [2, 3, 4, 5]
+        assert all(float(c.sum()) == pytest.approx(1.0) for c in counts)
+        return [1.0 - float(c[0]) for c in counts]
+
+    plain = meets(base, 4)
+    assert plain == sorted(plain) and 0.0 < plain[0] < plain[-1] < 1.0  # more intervals, more
+    early = EarlyPrefills(SPANS, (2.0,) * len(SPANS), (0.0,) * len(SPANS))
+    lifted = meets(replace(base, early_prefills=early), 4)
+    assert all(a > b for a, b in zip(lifted, plain, strict=True))
+    assert all(a < b for a, b in zip(meets(base, 8), plain, strict=True))
+    unmeasured = PerReplicaLoad.from_estimate(load_of(20.0, prompt=500.0, output=20.0), 4)
+    assert (
+        short_output_prefill_counts(LinearStepTime(), unmeasured, ENGINE, PlannerPolicy(), 4, 4)
+        == []
+    )
+
+
 def test_short_outputs_meet_only_the_prompts_a_balancing_router_sends_to_busy_replicas() -> None:
     # Outputs of 6-11 intervals alone, no lift measured: what they meet is the
     # chain of prefill passes. A measured deficit says the router sends prompts
