@@ -111,8 +111,10 @@ class HeldFleetPolicy(PlannerDrivenPolicy):
         keeps ``replicas`` when set."""
         checks = len(self.checks)
         decided = super().desired(view)
-        if self.across and len(self.checks) > checks:  # a prediction was recorded now
-            load = self.model.estimate(view.now)
+        if len(self.checks) == checks:  # no prediction recorded now
+            return self.replicas if self.replicas > 0 else decided
+        load = self.model.estimate(view.now)
+        if self.across:
             at: dict[int, float] = {}
             for n in self.across:
                 per = PerReplicaLoad.from_estimate(load, n)
@@ -121,8 +123,7 @@ class HeldFleetPolicy(PlannerDrivenPolicy):
                 )
                 at[n] = pred.itl_ms if pred.feasible else math.inf
             self.predicted_across.append((view.now, at))
-        if self.replicas > 0 and len(self.checks) > checks:
-            load = self.model.estimate(view.now)
+        if self.replicas > 0:
             counts = short_output_prefill_counts(
                 self.model.cost_model,
                 PerReplicaLoad.from_estimate(load, self.replicas),
