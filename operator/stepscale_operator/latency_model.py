@@ -797,7 +797,7 @@ def _early_prefills_at(
     replicas predicted from 5 at 1.83x their simulated p99 and 5 from 11 at 0.73x
     (docs/planner-history.md, 2026-11-30 seventh).
 
-    The lift multiplies the chain's share, which :func:`_itl_tail` has thinned by
+    The lift multiplies the chain's share, which :func:`_short_output_passes` thins by
     the exposure at ``replicas`` since (2026-11-30 eighth), so across counts the
     router's pick enters the first passes twice: through the chain and through
     this carry. Measured, not over-corrected (bursty code held at 5, 8 and 11: 11
