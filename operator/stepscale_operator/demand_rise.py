@@ -12,7 +12,9 @@ context, about one prompt a second of lognormal lengths: the need read 3, then
 
 :func:`demand_rise_z` is how many standard errors the later estimate's demand
 lies above the earlier one's, on the request rate and on the prompt tokens (the
-larger), and :func:`demand_ratio` by what factor (the larger, again). Longer
+larger), and :func:`demand_ratio` by what factor (the larger, again);
+:func:`arrivals_rise_z` the request rate's alone, which a burst's onset is judged
+on (:mod:`~stepscale_operator.burst_floor`). Longer
 outputs at the same arrivals are not tested: their noise would need the output
 lengths' spread, and a need that rises with them is still followed, only not
 remembered as a burst. Pure arithmetic, no state.
@@ -63,6 +65,16 @@ def demand_rise_z(earlier: LoadEstimate, later: LoadEstimate) -> float:
     t0, t1 = _prompt_tokens_per_s(earlier), _prompt_tokens_per_s(later)
     tokens = _z(t1, t0, r1 * m2_1 / window, r0 * m2_0 / window)
     return max(requests, tokens)
+
+
+def arrivals_rise_z(earlier: LoadEstimate, later: LoadEstimate) -> float:
+    """Standard errors by which ``later``'s request rate exceeds ``earlier``'s (inf
+    where the noise cannot be told)."""
+    window = min(earlier.window_s, later.window_s)
+    r0, r1 = max(earlier.prefill_requests_per_s, 0.0), max(later.prefill_requests_per_s, 0.0)
+    if window <= 0.0 or r0 + r1 <= 0.0:
+        return math.inf
+    return _z(r1, r0, r1 / window, r0 / window)
 
 
 def demand_ratio(earlier: LoadEstimate, later: LoadEstimate) -> float:

@@ -131,9 +131,10 @@ class PlannerPolicy:
     mix_memory_s: float = 900.0
     burst_ratio: float = 1.6
     burst_min_step: int = 3
-    # ... and only when the demand rose by more than this many standard errors of
+    # ... and only when the arrivals rose by more than this many standard errors of
     # the load windows' sampling noise (see demand_rise): heavy-tailed prompts at
-    # a prompt a second swing one window's need by 3x with no rise in arrivals.
+    # a prompt a second swing one window's need by 3x with no rise in arrivals, and
+    # a heavier mix at the same arrivals is the mix memory's.
     burst_min_z: float = 3.0
     # (A demand step by burst_ratio beyond burst_min_z also pauses the closed loop's
     # learning for one load window: see closed_loop.)

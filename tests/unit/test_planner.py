@@ -1279,6 +1279,33 @@ def test_a_need_that_jumps_on_a_few_long_prompts_is_not_a_burst() -> None:
         assert later.floor == (jumped if is_burst else 0), later.reason
 
 
+def test_heavier_prompts_at_unchanged_arrivals_are_not_a_burst() -> None:
+    # Prompts of one length (no sampling noise in their tokens): the window's prompts
+    # are 1.5x longer at the same arrival rate, and the need jumps past the burst
+    # ratio. That is the request mix, which the mix memory holds scale-down for, not
+    # a source of arrivals switching on; 2.5x the arrivals is a burst.
+    def uniform(requests_per_s: float, prompt: float) -> LoadEstimate:
+        lengths = np.full(100, prompt)
+        return replace(
+            load_of(requests_per_s, prompt=prompt),
+            prompt_histogram=prompt_histogram_of(lengths),
+            prompt_bin_tokens=prompt_bin_tokens_of(lengths),
+        )
+
+    usual, heavier, more = uniform(60.0, 1000.0), uniform(60.0, 1500.0), uniform(150.0, 1000.0)
+    low, jumped, horizon = 4, 8, 70.0
+
+    def size(load: LoadEstimate) -> int:
+        return low if load is usual else jumped
+
+    for jump, is_burst in ((heavier, False), (more, True)):
+        memory = BurstMemory(_burst_rules_policy())
+        for t in range(0, 200, 10):
+            memory.floor(float(t), low, horizon, 0.0, usual, size)
+        onset = memory.floor(200.0, jumped, horizon, 0.0, jump, size)
+        assert (onset.seen_s_ago == 0.0) is is_burst
+
+
 def test_a_burst_that_fades_over_minutes_is_not_kept_one_that_ends_at_once_is() -> None:
     # Long context's load rose faster than pods start (a burst by the onset's rule),
     # stayed up for ten minutes and then came down over several: the memory held its
