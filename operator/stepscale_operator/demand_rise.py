@@ -54,14 +54,12 @@ def demand_rise_z(earlier: LoadEstimate, later: LoadEstimate) -> float:
     """Standard errors by which ``later``'s demand exceeds ``earlier``'s (the larger of
     the request rate's and the prompt tokens'); inf where the noise cannot be told
     (no window, no requests counted), so an unmeasurable rise is taken as real."""
+    requests = arrivals_rise_z(earlier, later)
+    m2_0, m2_1 = prompt_second_moment(earlier), prompt_second_moment(later)
+    if m2_0 is None or m2_1 is None or math.isinf(requests):
+        return requests  # inf: no window or no requests counted
     window = min(earlier.window_s, later.window_s)
     r0, r1 = max(earlier.prefill_requests_per_s, 0.0), max(later.prefill_requests_per_s, 0.0)
-    if window <= 0.0 or r0 + r1 <= 0.0:
-        return math.inf
-    requests = _z(r1, r0, r1 / window, r0 / window)
-    m2_0, m2_1 = prompt_second_moment(earlier), prompt_second_moment(later)
-    if m2_0 is None or m2_1 is None:
-        return requests
     t0, t1 = _prompt_tokens_per_s(earlier), _prompt_tokens_per_s(later)
     tokens = _z(t1, t0, r1 * m2_1 / window, r0 * m2_0 / window)
     return max(requests, tokens)
