@@ -83,6 +83,7 @@ from stepscale_operator.pass_columns import (
     SCHED_PREFILL_TOKENS,
     SCHED_PREFILL_VAR,
 )
+from stepscale_operator.request_itl_tail import output_spans, request_itl_tail
 from stepscale_operator.stream_state import (
     DEFAULT_STALE_AFTER_S,
     StreamGroups,
@@ -579,7 +580,8 @@ class LoadEstimator:
         # started 5 s ago read the bursts scenario's steady 40 req/s as a dispersion
         # of 36 and sized for a burst. The same span as the rates' (``fleet_span``).
         observed_from = max(int(math.floor((now - fleet_span) / self.bucket_s)) - oldest, 0)
-        shapes = self._shapes(ids, in_window, sums, bucket, observed_from)
+        output_shares = self._outputs.shares()
+        shapes = self._shapes(ids, in_window, sums, bucket, observed_from, output_shares)
         if shapes is None:
             unavailable |= {"prompt_histogram", "prompt_bin_tokens"}
             unavailable |= {"arrival_dispersion", "replica_arrival_dispersion"}
@@ -624,7 +626,7 @@ class LoadEstimator:
             arrival_dispersion=shapes.arrival_dispersion,
             replica_arrival_dispersion=shapes.replica_arrival_dispersion,
             prefill_pass_decode_deficit=deficit or 0.0,
-            output_interval_shares=self._outputs.shares(),
+            output_interval_shares=output_shares,
             early_prefills=self._early.measured(now),
             realized_itl_mean_ms=shapes.realized_itl_mean_ms,
             realized_itl_tail_ms=shapes.realized_itl_tail_ms,
@@ -641,10 +643,13 @@ class LoadEstimator:
         sums: FloatArray,
         bucket: int,
         observed_from: int,
+        output_shares: tuple[float, ...],
     ) -> _Shapes | None:
         """Prompt-length histogram and tokens per bin, dispersion of arrivals per
         second (over the buckets from ``observed_from`` on, oldest first), and the
-        realized latency of the window's (stream, second) cells; None with no fresh
+        realized latency of the window's (stream, second) cells: the ITL tail over
+        requests, each output-length class (``output_shares``) over its own span of
+        cells (:mod:`~stepscale_operator.request_itl_tail`); None with no fresh
         stream."""
         if ids.size == 0:
             return None
@@ -664,11 +669,23 @@ class LoadEstimator:
         dispersion, replica_dispersion = _dispersions(grid[:, observed_from:])
         cells = grid.reshape(-1, _HIST)
         q = self.tail_quantile
-        itl = _cell_latency(cells[:, _DECODE_WALL_S], cells[:, _DECODE_TOKENS], q)
+        itl_mean_ms, _ = _cell_latency(cells[:, _DECODE_WALL_S], cells[:, _DECODE_TOKENS], q)
+        spans = output_spans(
+            output_shares,
+            _ratio(totals[_DECODE_TOKENS], totals[_PREFILL_FINISHED]),
+            itl_mean_ms / 1e3,
+            self.bucket_s,
+            n,
+        )
+        itl_tail_ms = request_itl_tail(
+            grid[:, :, _DECODE_WALL_S], grid[:, :, _DECODE_TOKENS], spans, q
+        )
         ttft = _cell_latency(
             cells[:, _QS_PREFILL_REQS] + cells[:, _PREFILL_WALL_S], cells[:, _PREFILL_FINISHED], q
         )
-        return _Shapes(histogram, bin_tokens, dispersion, replica_dispersion, *itl, *ttft)
+        return _Shapes(
+            histogram, bin_tokens, dispersion, replica_dispersion, itl_mean_ms, itl_tail_ms, *ttft
+        )
 
     def _trends(
         self,
