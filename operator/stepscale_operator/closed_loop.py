@@ -3,7 +3,8 @@
 The load estimate measures what the passes themselves show (see
 :class:`~stepscale_operator.load_types.LoadEstimate`): the token-weighted
 inter-token latency and the TTFT (queue wait by Little's law plus time in
-prefill), each with a tail over (stream, second) cells. :class:`LatencyFeedback`
+prefill), each with a tail (TTFT's over (stream, second) cells, ITL's over
+requests: :mod:`~stepscale_operator.request_itl_tail`). :class:`LatencyFeedback`
 compares them with the model's prediction for the same load at the same ready
 count, and keeps two things the planner uses:
 

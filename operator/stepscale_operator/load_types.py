@@ -161,8 +161,9 @@ class LoadEstimate:
     # Realized latency over the window, from the passes themselves (0: unknown): the
     # mean inter-token latency (pass wall times weighted by decode requests), and the
     # mean TTFT (queue wait by Little's law plus time in prefill passes); each with
-    # its tail: the planning quantile over (stream, second) cells, weighted by tokens
-    # (ITL) or prompts (TTFT).
+    # its tail, the planning quantile: ITL's over requests, each output-length class
+    # over the cells it decodes in (:mod:`~stepscale_operator.request_itl_tail`);
+    # TTFT's over (stream, second) cells, weighted by prompts.
     realized_itl_mean_ms: float = 0.0
     realized_itl_tail_ms: float = 0.0
     realized_ttft_mean_ms: float = 0.0
