@@ -83,7 +83,11 @@ from stepscale_operator.pass_columns import (
     SCHED_PREFILL_TOKENS,
     SCHED_PREFILL_VAR,
 )
-from stepscale_operator.request_itl_tail import output_spans, request_itl_tail
+from stepscale_operator.request_itl_tail import (
+    output_spans,
+    request_itl_tail,
+    weighted_quantile,
+)
 from stepscale_operator.stream_state import (
     DEFAULT_STALE_AFTER_S,
     StreamGroups,
@@ -669,7 +673,7 @@ class LoadEstimator:
         dispersion, replica_dispersion = _dispersions(grid[:, observed_from:])
         cells = grid.reshape(-1, _HIST)
         q = self.tail_quantile
-        itl_mean_ms, _ = _cell_latency(cells[:, _DECODE_WALL_S], cells[:, _DECODE_TOKENS], q)
+        itl_mean_ms = (_ratio(totals[_DECODE_WALL_S], totals[_DECODE_TOKENS]) or 0.0) * 1e3
         spans = output_spans(
             output_shares,
             _ratio(totals[_DECODE_TOKENS], totals[_PREFILL_FINISHED]),
@@ -854,11 +858,8 @@ def _cell_latency(seconds: FloatArray, count: FloatArray, quantile: float) -> tu
     has = count > 0.0
     if not has.any():
         return 0.0, 0.0
-    per = seconds[has] / count[has]
     weight = count[has]
-    order = np.argsort(per)
-    cumulative = np.cumsum(weight[order]) / weight.sum()
-    tail = float(per[order][min(int(np.searchsorted(cumulative, quantile)), per.size - 1)])
+    tail = weighted_quantile(seconds[has] / weight, weight, quantile)
     return float(seconds[has].sum() / weight.sum()) * 1e3, tail * 1e3
 
 

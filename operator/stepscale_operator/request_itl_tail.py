@@ -121,8 +121,12 @@ def request_itl_tail(
         weights.append(span.share * counted / counted.sum())
     if not values:
         return 0.0
-    per = np.concatenate(values)
-    weight = np.concatenate(weights)
-    order = np.argsort(per)
-    cumulative = np.cumsum(weight[order]) / weight.sum()
-    return float(per[order][min(int(np.searchsorted(cumulative, quantile)), per.size - 1)]) * 1e3
+    return weighted_quantile(np.concatenate(values), np.concatenate(weights), quantile) * 1e3
+
+
+def weighted_quantile(values: FloatArray, weights: FloatArray, quantile: float) -> float:
+    """The smallest of ``values`` whose cumulative share of ``weights`` reaches
+    ``quantile`` (``values`` non-empty, ``weights`` positive)."""
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order]) / weights.sum()
+    return float(values[order][min(int(np.searchsorted(cumulative, quantile)), values.size - 1)])
