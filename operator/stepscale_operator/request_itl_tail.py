@@ -102,15 +102,18 @@ def request_itl_tail(
     requests. Each span's requests are spread over every run of that many
     consecutive cells of a stream in proportion to the tokens decoded there.
     """
+    n_cells = decode_wall_s.shape[1]
+    if n_cells == 0:
+        return 0.0
     values: list[FloatArray] = []
     weights: list[FloatArray] = []
-    n_cells = decode_wall_s.shape[1]
+    # Prefix sums: a run of k cells is one subtraction, for every span.
     wall = np.cumsum(np.pad(decode_wall_s, ((0, 0), (1, 0))), axis=1)
     tokens = np.cumsum(np.pad(decode_tokens, ((0, 0), (1, 0))), axis=1)
     for span in spans:
-        k = min(max(span.cells, 1), n_cells)
-        if k <= 0 or span.share <= 0.0:
+        if span.share <= 0.0:
             continue
+        k = min(max(span.cells, 1), n_cells)
         run_wall = wall[:, k:] - wall[:, :-k]
         run_tokens = tokens[:, k:] - tokens[:, :-k]
         has = run_tokens > 1e-12

@@ -58,6 +58,8 @@ def test_a_class_sets_the_tail_once_its_share_of_slow_requests_reaches_the_quant
 def test_nothing_decoded_gives_no_tail() -> None:
     empty = np.zeros((2, 30))
     assert request_itl_tail(empty, empty, ONE_CELL, 0.99) == 0.0
+    no_cells = np.zeros((2, 0))
+    assert request_itl_tail(no_cells, no_cells, (OutputSpan(3, 1.0),), 0.99) == 0.0
 
 
 def test_spans_come_from_the_output_shares_and_the_mean_itl() -> None:
