@@ -121,10 +121,21 @@ def beta_binomial_rows(shares: FloatArray, rhos: FloatArray) -> FloatArray:
     """Beta-binomials for m = 1..M at once (M = ``shares.size``): row ``m - 1``
     holds P(K = k), k = 0..m, of ``m`` passes each carrying prefill with a share
     drawn from a beta of mean ``shares[m - 1]`` and intra-class correlation
-    ``rhos[m - 1]`` (0: binomial), zero beyond ``m``. By the ratio of consecutive terms, in logs:
-    the planner asks for every short span at every count it weighs."""
-    longest = shares.size
-    m = np.arange(1, longest + 1, dtype=np.float64)[:, None]
+    ``rhos[m - 1]`` (0: binomial), zero beyond ``m``: the planner asks for every
+    short span at every count it weighs."""
+    return beta_binomials(np.arange(1, shares.size + 1), shares, rhos)
+
+
+def beta_binomials(
+    passes: npt.NDArray[np.int64], shares: FloatArray, rhos: FloatArray
+) -> FloatArray:
+    """One beta-binomial per row: row ``i`` holds P(K = k), k = 0..max(passes), of
+    ``passes[i]`` passes each carrying prefill with a share drawn from a beta of
+    mean ``shares[i]`` and intra-class correlation ``rhos[i]`` (0: binomial), zero
+    beyond ``passes[i]``. By the ratio of consecutive terms, in logs, so every
+    row is one array expression."""
+    longest = int(passes.max()) if passes.size else 0
+    m = passes.astype(np.float64)[:, None]
     k = np.arange(longest, dtype=np.float64)[None, :]  # P(k + 1) / P(k)
     q = np.clip(shares, 1e-12, 1.0 - 1e-12)[:, None]
     rho = np.clip(rhos, 0.0, 1.0 - 1e-9)[:, None]
@@ -140,7 +151,7 @@ def beta_binomial_rows(shares: FloatArray, rhos: FloatArray) -> FloatArray:
     step = np.where(below, np.where(beta[:, None], beta_step, binomial_step), 0.0)
     first = np.where(beta, beta_first, binomial_first)
     logp = first[:, None] + np.concatenate(
-        [np.zeros((longest, 1)), np.cumsum(step, axis=1)], axis=1
+        [np.zeros((m.shape[0], 1)), np.cumsum(step, axis=1)], axis=1
     )
     inside = np.arange(longest + 1)[None, :] <= m
     p = np.where(inside, np.exp(np.where(inside, logp, 0.0)), 0.0)

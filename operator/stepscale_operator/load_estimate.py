@@ -59,7 +59,7 @@ import numpy.typing as npt
 from stepscale_engine.wire import (
     ForwardPassMetrics,
 )
-from stepscale_operator.early_prefills import EarlyPrefillEstimator
+from stepscale_operator.early_prefills import EarlyPrefillEstimator, EarlyPrefills
 from stepscale_operator.load_types import (
     BUDGET_FACTOR,
     BUDGET_FLOOR,
@@ -84,6 +84,7 @@ from stepscale_operator.pass_columns import (
     SCHED_PREFILL_VAR,
 )
 from stepscale_operator.request_itl_tail import (
+    CellPasses,
     output_spans,
     request_itl_tail,
     weighted_quantile,
@@ -120,10 +121,11 @@ _Q_COLS = [QUEUED_PREFILL_REQS, QUEUED_PREFILL_TOKENS, QUEUED_DECODE_REQS]
     _PREFILL_WALL_S,  # sum of prefill requests x pass wall time: time spent in prefill
     _PREFILL_PASSES,  # passes that carry a prefill chunk
     _DECODE_AT_PREFILL,  # decode requests on those passes: who a prefill delays
+    _DECODE_WALL_AT_PREFILL_S,  # their decode requests x pass wall time
     _QUEUE_LAST,  # queued prefill requests at the bucket's last message (not a sum)
     _QUEUE_SEEN,  # 1 when the bucket has a message (not a sum)
-) = range(20)
-_HIST = 20  # first of the prompt-length histogram columns (PROMPT_BIN_EDGES)
+) = range(21)
+_HIST = 21  # first of the prompt-length histogram columns (PROMPT_BIN_EDGES)
 # First of the columns of prompt tokens per histogram bin: each bin's mean length.
 _BIN_TOKENS = _HIST + len(PROMPT_BIN_EDGES)
 _N_COLS = _BIN_TOKENS + len(PROMPT_BIN_EDGES)
@@ -427,6 +429,7 @@ class LoadEstimator:
         cols[:, _PREFILL_WALL_S] = n_pre * cols[:, _BUSY_S]
         cols[:, _PREFILL_PASSES] = has_prefill
         cols[:, _DECODE_AT_PREFILL] = np.where(has_prefill, n_dec, 0.0)
+        cols[:, _DECODE_WALL_AT_PREFILL_S] = np.where(has_prefill, cols[:, _DECODE_WALL_S], 0.0)
         for stream, lo, hi in zip(streams, starts, ends, strict=True):
             # Heartbeats too: they tell the output lengths how long the engine idled.
             self._outputs.observe(
@@ -585,7 +588,10 @@ class LoadEstimator:
         # of 36 and sized for a burst. The same span as the rates' (``fleet_span``).
         observed_from = max(int(math.floor((now - fleet_span) / self.bucket_s)) - oldest, 0)
         output_shares = self._outputs.shares()
-        shapes = self._shapes(ids, in_window, sums, bucket, observed_from, output_shares)
+        early_prefills = self._early.measured(now)
+        shapes = self._shapes(
+            ids, in_window, sums, bucket, observed_from, output_shares, early_prefills
+        )
         if shapes is None:
             unavailable |= {"prompt_histogram", "prompt_bin_tokens"}
             unavailable |= {"arrival_dispersion", "replica_arrival_dispersion"}
@@ -631,7 +637,7 @@ class LoadEstimator:
             replica_arrival_dispersion=shapes.replica_arrival_dispersion,
             prefill_pass_decode_deficit=deficit or 0.0,
             output_interval_shares=output_shares,
-            early_prefills=self._early.measured(now),
+            early_prefills=early_prefills,
             realized_itl_mean_ms=shapes.realized_itl_mean_ms,
             realized_itl_tail_ms=shapes.realized_itl_tail_ms,
             realized_ttft_mean_ms=shapes.realized_ttft_mean_ms,
@@ -648,13 +654,15 @@ class LoadEstimator:
         bucket: int,
         observed_from: int,
         output_shares: tuple[float, ...],
+        early_prefills: EarlyPrefills | None,
     ) -> _Shapes | None:
         """Prompt-length histogram and tokens per bin, dispersion of arrivals per
         second (over the buckets from ``observed_from`` on, oldest first), and the
         realized latency of the window's (stream, second) cells: the ITL tail over
         requests, each output-length class (``output_shares``) over its own span of
-        cells (:mod:`~stepscale_operator.request_itl_tail`); None with no fresh
-        stream."""
+        cells, or, within a cell, over its passes with the lift of
+        ``early_prefills`` (:mod:`~stepscale_operator.request_itl_tail`); None with
+        no fresh stream."""
         if ids.size == 0:
             return None
         totals = sums.sum(axis=(0, 1))
@@ -682,7 +690,12 @@ class LoadEstimator:
             n,
         )
         itl_tail_ms = request_itl_tail(
-            grid[:, :, _DECODE_WALL_S], grid[:, :, _DECODE_TOKENS], spans, q
+            grid[:, :, _DECODE_WALL_S],
+            grid[:, :, _DECODE_TOKENS],
+            spans,
+            q,
+            _cell_passes(grid, totals),
+            early_prefills,
         )
         ttft = _cell_latency(
             cells[:, _QS_PREFILL_REQS] + cells[:, _PREFILL_WALL_S], cells[:, _PREFILL_FINISHED], q
@@ -851,6 +864,40 @@ def _dispersions(grid: FloatArray) -> tuple[float, float]:
         return fleet_dispersion, 0.0
     replica_dispersion = float(squares / (n - 1.0).sum()) / total_mean
     return fleet_dispersion, replica_dispersion
+
+
+def _cell_passes(grid: FloatArray, totals: FloatArray) -> CellPasses:
+    """What a request decoding within one (stream, second) cell meets there: its
+    passes, those that carry prefill, and the mean time a decode took on a pass
+    without and with prefill. A cell where decodes met only one kind takes the
+    other's mean over the window (and, with none there either, the kind it has)."""
+    at_prefill = grid[:, :, _DECODE_AT_PREFILL]
+    wall_at_prefill = grid[:, :, _DECODE_WALL_AT_PREFILL_S]
+    without = grid[:, :, _DECODE_TOKENS] - at_prefill
+    wall_without = grid[:, :, _DECODE_WALL_S] - wall_at_prefill
+    mean_without = _ratio(
+        totals[_DECODE_WALL_S] - totals[_DECODE_WALL_AT_PREFILL_S],
+        totals[_DECODE_TOKENS] - totals[_DECODE_AT_PREFILL],
+    )
+    mean_with = _ratio(totals[_DECODE_WALL_AT_PREFILL_S], totals[_DECODE_AT_PREFILL])
+    window_without = mean_without if mean_without is not None else (mean_with or 0.0)
+    window_with = mean_with if mean_with is not None else window_without
+    decode = np.divide(
+        wall_without, without, out=np.full_like(without, window_without), where=without > 1e-12
+    )
+    prefill = np.divide(
+        wall_at_prefill,
+        at_prefill,
+        out=np.full_like(at_prefill, window_with),
+        where=at_prefill > 1e-12,
+    )
+    return CellPasses(
+        grid[:, :, _PASSES],
+        grid[:, :, _PREFILL_PASSES],
+        decode,
+        prefill,
+        grid[:, :, _PREFILL_FINISHED],
+    )
 
 
 def _cell_latency(seconds: FloatArray, count: FloatArray, quantile: float) -> tuple[float, float]:

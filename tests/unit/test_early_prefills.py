@@ -16,6 +16,7 @@ from stepscale_operator.early_prefills import (
     EarlyPrefillEstimator,
     EarlyPrefills,
     beta_binomial_rows,
+    beta_binomials,
 )
 from stepscale_operator.itl_quantile import PrefillPassChain
 from stepscale_operator.load_estimate import LoadEstimator
@@ -250,6 +251,19 @@ def test_all_spans_at_once_are_each_spans_beta_binomial() -> None:
             beta_binomial_pmf(m, shares[m - 1], rhos[m - 1]), abs=1e-9
         )
         assert rows[m - 1, m + 1 :].sum() == 0.0
+
+
+def test_one_span_at_many_shares_is_each_shares_beta_binomial() -> None:
+    """What the measured ITL tail draws per stream (request_itl_tail): one span,
+    each row its own share."""
+    rng = np.random.default_rng(6)
+    shares = rng.uniform(0.0, 0.5, 20)
+    shares[0] = 0.0  # no prefill: all the mass at 0
+    for m, rho in ((1, 0.0), (6, 0.0), (6, 0.4)):
+        rows = beta_binomials(np.full(shares.size, m), shares, np.full(shares.size, rho))
+        assert rows.shape == (shares.size, m + 1)
+        for row, share in zip(rows, shares, strict=True):
+            assert row == pytest.approx(beta_binomial_pmf(m, share, rho), abs=1e-9)
 
 
 def test_the_chain_meets_the_measured_lift_after_the_first_token() -> None:
