@@ -17,6 +17,7 @@ from stepscale_operator.request_itl_tail import (
     OutputSpan,
     output_spans,
     request_itl_tail,
+    weighted_quantile,
 )
 
 N_BINS = len(OUTPUT_INTERVAL_BINS)
@@ -239,3 +240,17 @@ def test_the_estimator_reads_short_outputs_at_the_prefill_passes_they_meet() -> 
     assert truth == pytest.approx(30.0)
     assert load.realized_itl_mean_ms < 15.0
     assert load.realized_itl_tail_ms == pytest.approx(truth, rel=0.1)
+
+
+def test_the_quantile_of_many_values_is_the_one_a_full_sort_gives() -> None:
+    """Past a few thousand values the quantile bins them first; it must pick the
+    value a sort of them all picks, ties and zero weights included."""
+    rng = np.random.default_rng(11)
+    for size in (20_000, 200_000):
+        values = np.round(rng.lognormal(3.0, 0.6, size), 1)  # many ties
+        weights = rng.exponential(1.0, size) * (rng.random(size) > 0.2)
+        order = np.argsort(values, kind="stable")
+        cumulative = np.cumsum(weights[order]) / weights.sum()
+        for q in (0.5, 0.9, 0.99, 0.999):
+            expected = values[order][np.searchsorted(cumulative, q)]
+            assert weighted_quantile(values, weights, q) == expected
