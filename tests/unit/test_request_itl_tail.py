@@ -154,6 +154,22 @@ def test_without_measured_shares_or_itl_every_request_is_one_cell() -> None:
     assert output_spans([0.0] * N_BINS, 200.0, 0.0, 1.0, 30) == ONE_CELL
 
 
+def _pass(
+    counter: int, wall: float, arrivals: int, prompt: int, decoding: int, context: int
+) -> ForwardPassMetrics:
+    """One pass of stream "w": ``arrivals`` prompts of ``prompt`` tokens prefilled
+    whole beside ``decoding`` decodes of ``context`` tokens each."""
+    sched = ScheduledRequestMetrics(
+        num_prefill_requests=arrivals,
+        sum_prefill_tokens=prompt * arrivals,
+        num_decode_requests=decoding,
+        sum_decode_kv_tokens=context * decoding,
+    )
+    return ForwardPassMetrics(
+        worker_id="w", dp_rank=0, counter_id=counter, wall_time=wall, scheduled_requests=sched
+    )
+
+
 def test_the_estimator_reads_long_outputs_below_their_worst_seconds() -> None:
     """End to end through :class:`LoadEstimator`: requests of 200 tokens (beyond the
     last output class) decode for about 2.5 s; one second in twenty runs its passes at
@@ -170,22 +186,8 @@ def test_the_estimator_reads_long_outputs_below_their_worst_seconds() -> None:
         batch = []
         for _ in range(round(1.0 / wall)):
             arrivals = int(rng.poisson(0.2))
-            sched = ScheduledRequestMetrics(
-                num_prefill_requests=arrivals,
-                sum_prefill_tokens=200 * arrivals,
-                num_decode_requests=len(active),
-                sum_decode_kv_tokens=300 * len(active),
-            )
             counter += 1
-            batch.append(
-                ForwardPassMetrics(
-                    worker_id="w",
-                    dp_rank=0,
-                    counter_id=counter,
-                    wall_time=wall,
-                    scheduled_requests=sched,
-                )
-            )
+            batch.append(_pass(counter, wall, arrivals, 200, len(active), 300))
             active = [left - 1 for left in active if left > 1] + [199] * arrivals
         est.observe_batch(batch, second + 1.0)  # each second's passes, as they arrive
     load = est.estimate(150.0)
@@ -208,26 +210,12 @@ def test_the_estimator_reads_short_outputs_at_the_prefill_passes_they_meet() -> 
     walls: list[float] = []
     joined: list[int] = []  # per request, the pass after which it decodes
     for second in range(120):
-        batch = []
+        batch: list[ForwardPassMetrics] = []
         while sum(m.wall_time for m in batch) < 1.0:
             arrivals = int(rng.poisson(0.1))
             wall = 0.040 if arrivals else 0.010
-            sched = ScheduledRequestMetrics(
-                num_prefill_requests=arrivals,
-                sum_prefill_tokens=100 * arrivals,
-                num_decode_requests=len(active),
-                sum_decode_kv_tokens=200 * len(active),
-            )
             counter += 1
-            batch.append(
-                ForwardPassMetrics(
-                    worker_id="w",
-                    dp_rank=0,
-                    counter_id=counter,
-                    wall_time=wall,
-                    scheduled_requests=sched,
-                )
-            )
+            batch.append(_pass(counter, wall, arrivals, 100, len(active), 200))
             walls.append(wall)
             joined += [len(walls)] * arrivals
             active = [left - 1 for left in active if left > 1] + [3] * arrivals
