@@ -162,8 +162,9 @@ class LoadEstimate:
     # mean inter-token latency (pass wall times weighted by decode requests), and the
     # mean TTFT (queue wait by Little's law plus time in prefill passes); each with
     # its tail, the planning quantile: ITL's over requests, each output-length class
-    # over the cells it decodes in (:mod:`~stepscale_operator.request_itl_tail`);
-    # TTFT's over (stream, second) cells, weighted by prompts.
+    # over the cells it decodes in, or within one, over the passes it meets there
+    # (:mod:`~stepscale_operator.request_itl_tail`); TTFT's over (stream, second)
+    # cells, weighted by prompts.
     realized_itl_mean_ms: float = 0.0
     realized_itl_tail_ms: float = 0.0
     realized_ttft_mean_ms: float = 0.0
