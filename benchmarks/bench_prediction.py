@@ -105,6 +105,8 @@ class HeldFleetPolicy(PlannerDrivenPolicy):
     # Per prediction at the held count: (time, P(K >= 1) for outputs of 1..SHORT_INTERVALS
     # intervals), the prefill passes the model has a short output meet.
     short_meets: list[tuple[float, list[float]]] = field(default_factory=list)
+    # Per prediction: (time, the measured lift at 1..SHORT_INTERVALS intervals).
+    lifts: list[tuple[float, list[float]]] = field(default_factory=list)
 
     def desired(self, view: FleetView) -> int:
         """The planner's decision is made (and its prediction recorded); the fleet
@@ -134,6 +136,9 @@ class HeldFleetPolicy(PlannerDrivenPolicy):
             )
             if counts:
                 self.short_meets.append((view.now, [1.0 - float(c[0]) for c in counts]))
+            if load.early_prefills is not None:
+                lift, _ = load.early_prefills.up_to(SHORT_INTERVALS)
+                self.lifts.append((view.now, [float(x) for x in lift]))
         return self.replicas if self.replicas > 0 else decided
 
 
@@ -218,6 +223,14 @@ def run_one(job: tuple[str, float, int, int, tuple[int, ...]]) -> dict[str, obje
             result.replica_of,
             result.traffic.output_tokens,
         ),
+        "short_output_lift": short_output_lift(
+            policy.lifts,
+            np.array(log.rows, dtype=np.float64).reshape(-1, 3),
+            result.requests.first_token_s,
+            result.requests.finish_s,
+            result.replica_of,
+            result.traffic.output_tokens,
+        ),
         "slow_requests": slow_request_anatomy(
             result.traffic.arrival_s,
             result.requests.first_token_s,
@@ -273,6 +286,56 @@ def short_output_calibration(
         if ids.size:
             model = float(meets[which[ids], tokens - 2].mean())
             out[str(tokens)] = [model, float(met[ids].mean()), float(ids.size)]
+    return out
+
+
+# The passes a request's replica share is taken over, as early_prefills takes it.
+LIFT_SHARE_PASSES = 512
+
+
+def short_output_lift(
+    measured: list[tuple[float, list[float]]],
+    passes: npt.NDArray[np.float64],
+    first_token_s: npt.NDArray[np.float64],
+    finish_s: npt.NDArray[np.float64],
+    replica: npt.NDArray[np.int64],
+    output_tokens: npt.NDArray[np.int64],
+) -> dict[str, list[float]]:
+    """Per output length of 2..``SHORT_INTERVALS + 1`` tokens (``m`` intervals):
+    [the lift the streams measured at ``m`` (mean over such requests of the last
+    measurement before their first token), the lift those requests had, requests].
+    A request's own lift is the prefill-bearing passes on its replica after its
+    first token and by its last (``K``) over ``m`` times its replica's share of
+    prefill passes over the :data:`LIFT_SHARE_PASSES` passes before its first
+    token; over the requests, sum K / (m sum share), as early_prefills sums it.
+    Lengths with no request are left out."""
+    out: dict[str, list[float]] = {}
+    if not measured or passes.size == 0:
+        return out
+    times = np.array([t for t, _ in measured])
+    lifts = np.array([x for _, x in measured])
+    done = np.isfinite(first_token_s) & np.isfinite(finish_s)
+    met = np.zeros(first_token_s.size)
+    share = np.zeros(first_token_s.size)
+    for r in np.unique(replica[done]):
+        mine = passes[passes[:, 0] == r]
+        mine = mine[np.argsort(mine[:, 1], kind="stable")]
+        carried = np.concatenate([[0.0], np.cumsum(mine[:, 2])])
+        ids = np.flatnonzero(done & (replica == r))
+        after = np.searchsorted(mine[:, 1], first_token_s[ids], side="right")
+        by_last = np.searchsorted(mine[:, 1], finish_s[ids], side="right")
+        met[ids] = carried[by_last] - carried[after]
+        back = np.maximum(after - LIFT_SHARE_PASSES, 0)
+        ran = np.maximum(after - back, 1)
+        share[ids] = (carried[after] - carried[back]) / ran
+    which = np.searchsorted(times, first_token_s, side="right") - 1
+    for tokens in range(2, SHORT_INTERVALS + 2):
+        m = tokens - 1
+        ids = np.flatnonzero(done & (output_tokens == tokens) & (which >= 0))
+        if ids.size and share[ids].sum() > 0.0:
+            streams = float(lifts[which[ids], m - 1].mean())
+            own = float(met[ids].sum() / (m * share[ids].sum()))
+            out[str(tokens)] = [streams, own, float(ids.size)]
     return out
 
 
@@ -473,6 +536,22 @@ def main(argv: list[str] | None = None) -> int:
         for n in lengths:
             model, simulated, count = cal.get(str(n), (math.nan, math.nan, 0.0))
             ratio = model / simulated if simulated > 0.0 else math.nan
+            shown.append(f"{f'{ratio:.2f} ({count:.0f})':>14}")
+        print(f"{row['run']:28} " + "".join(shown))
+    print(
+        "\nThe lift of a short output's passes: measured by the streams over what the "
+        "requests of that length had (requests)"
+    )
+    print(f"{'run':28} " + "".join(f"{n:>14}" for n in lengths))
+    for row in rows:
+        lift = row["short_output_lift"]
+        assert isinstance(lift, dict)
+        if not lift:
+            continue
+        shown = []
+        for n in lengths:
+            streams, own, count = lift.get(str(n), (math.nan, math.nan, 0.0))
+            ratio = streams / own if own > 0.0 else math.nan
             shown.append(f"{f'{ratio:.2f} ({count:.0f})':>14}")
         print(f"{row['run']:28} " + "".join(shown))
     report: dict[str, object] = {"args": vars(args), "runs": rows}
