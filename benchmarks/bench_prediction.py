@@ -271,15 +271,8 @@ def short_output_calibration(
     times = np.array([t for t, _ in predicted])
     meets = np.array([m for _, m in predicted])
     done = np.isfinite(first_token_s) & np.isfinite(finish_s)
-    met = np.zeros(first_token_s.size, dtype=bool)
-    for r in np.unique(replica[done]):
-        mine = passes[passes[:, 0] == r]
-        mine = mine[np.argsort(mine[:, 1], kind="stable")]
-        carried = np.concatenate([[0.0], np.cumsum(mine[:, 2])])
-        ids = np.flatnonzero(done & (replica == r))
-        after = np.searchsorted(mine[:, 1], first_token_s[ids], side="right")
-        by_last = np.searchsorted(mine[:, 1], finish_s[ids], side="right")
-        met[ids] = carried[by_last] - carried[after] > 0.0
+    counts, _ = prefill_passes_met(passes, first_token_s, finish_s, replica, done)
+    met = counts > 0.0
     which = np.searchsorted(times, first_token_s, side="right") - 1
     for tokens in range(2, SHORT_INTERVALS + 2):
         ids = np.flatnonzero(done & (output_tokens == tokens) & (which >= 0))
@@ -291,6 +284,33 @@ def short_output_calibration(
 
 # The passes a request's replica share is taken over, as early_prefills takes it.
 LIFT_SHARE_PASSES = 512
+
+
+def prefill_passes_met(
+    passes: npt.NDArray[np.float64],
+    first_token_s: npt.NDArray[np.float64],
+    finish_s: npt.NDArray[np.float64],
+    replica: npt.NDArray[np.int64],
+    done: npt.NDArray[np.bool_],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Per request (``done`` ones; 0 for the others): the prefill-bearing passes on
+    its replica that ended after its first token and by its last, and its
+    replica's share of prefill-bearing passes over the :data:`LIFT_SHARE_PASSES`
+    passes up to its first token. ``passes`` holds (replica, end time, carried
+    prefill) rows."""
+    met = np.zeros(first_token_s.size)
+    share = np.zeros(first_token_s.size)
+    for r in np.unique(replica[done]):
+        mine = passes[passes[:, 0] == r]
+        mine = mine[np.argsort(mine[:, 1], kind="stable")]
+        carried = np.concatenate([[0.0], np.cumsum(mine[:, 2])])
+        ids = np.flatnonzero(done & (replica == r))
+        after = np.searchsorted(mine[:, 1], first_token_s[ids], side="right")
+        by_last = np.searchsorted(mine[:, 1], finish_s[ids], side="right")
+        met[ids] = carried[by_last] - carried[after]
+        back = np.maximum(after - LIFT_SHARE_PASSES, 0)
+        share[ids] = (carried[after] - carried[back]) / np.maximum(after - back, 1)
+    return met, share
 
 
 def short_output_lift(
@@ -315,19 +335,7 @@ def short_output_lift(
     times = np.array([t for t, _ in measured])
     lifts = np.array([x for _, x in measured])
     done = np.isfinite(first_token_s) & np.isfinite(finish_s)
-    met = np.zeros(first_token_s.size)
-    share = np.zeros(first_token_s.size)
-    for r in np.unique(replica[done]):
-        mine = passes[passes[:, 0] == r]
-        mine = mine[np.argsort(mine[:, 1], kind="stable")]
-        carried = np.concatenate([[0.0], np.cumsum(mine[:, 2])])
-        ids = np.flatnonzero(done & (replica == r))
-        after = np.searchsorted(mine[:, 1], first_token_s[ids], side="right")
-        by_last = np.searchsorted(mine[:, 1], finish_s[ids], side="right")
-        met[ids] = carried[by_last] - carried[after]
-        back = np.maximum(after - LIFT_SHARE_PASSES, 0)
-        ran = np.maximum(after - back, 1)
-        share[ids] = (carried[after] - carried[back]) / ran
+    met, share = prefill_passes_met(passes, first_token_s, finish_s, replica, done)
     which = np.searchsorted(times, first_token_s, side="right") - 1
     for tokens in range(2, SHORT_INTERVALS + 2):
         m = tokens - 1
@@ -455,6 +463,23 @@ def calibration_by_band(rows: list[dict[str, object]]) -> dict[str, list[tuple[f
     return out
 
 
+def print_by_length(rows: list[dict[str, object]], key: str, lengths: Sequence[int]) -> None:
+    """One line per run of ``rows[key]`` (output tokens -> [ours, reference,
+    requests]): ours over the reference, with the requests, per length."""
+    print(f"{'run':28} " + "".join(f"{f'{n} tok':>14}" for n in lengths))
+    for row in rows:
+        by_length = row[key]
+        assert isinstance(by_length, dict)
+        if not by_length:
+            continue
+        shown = []
+        for n in lengths:
+            ours, reference, count = by_length.get(str(n), (math.nan, math.nan, 0.0))
+            ratio = ours / reference if reference > 0.0 else math.nan
+            shown.append(f"{f'{ratio:.2f} ({count:.0f})':>14}")
+        print(f"{row['run']:28} " + "".join(shown))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every ``scenario@n`` (in parallel), print the table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -526,34 +551,12 @@ def main(argv: list[str] | None = None) -> int:
         "\nShort outputs meeting a prefill pass while they decode, by output tokens: "
         "the model's share over the simulated (requests); held runs"
     )
-    print(f"{'run':28} " + "".join(f"{f'{n} tok':>14}" for n in lengths))
-    for row in rows:
-        cal = row["short_outputs_meeting_prefill"]
-        assert isinstance(cal, dict)
-        if not cal:
-            continue
-        shown = []
-        for n in lengths:
-            model, simulated, count = cal.get(str(n), (math.nan, math.nan, 0.0))
-            ratio = model / simulated if simulated > 0.0 else math.nan
-            shown.append(f"{f'{ratio:.2f} ({count:.0f})':>14}")
-        print(f"{row['run']:28} " + "".join(shown))
+    print_by_length(rows, "short_outputs_meeting_prefill", lengths)
     print(
-        "\nThe lift of a short output's passes: measured by the streams over what the "
-        "requests of that length had (requests)"
+        "\nThe lift of a short output's passes, by output tokens: measured by the "
+        "streams over what the requests of that length had (requests)"
     )
-    print(f"{'run':28} " + "".join(f"{n:>14}" for n in lengths))
-    for row in rows:
-        lift = row["short_output_lift"]
-        assert isinstance(lift, dict)
-        if not lift:
-            continue
-        shown = []
-        for n in lengths:
-            streams, own, count = lift.get(str(n), (math.nan, math.nan, 0.0))
-            ratio = streams / own if own > 0.0 else math.nan
-            shown.append(f"{f'{ratio:.2f} ({count:.0f})':>14}")
-        print(f"{row['run']:28} " + "".join(shown))
+    print_by_length(rows, "short_output_lift", lengths)
     report: dict[str, object] = {"args": vars(args), "runs": rows}
     if across:
         matrix = across_matrix(rows)
