@@ -689,13 +689,10 @@ class LoadEstimator:
             self.bucket_s,
             n,
         )
+        # The passes within a cell only matter to classes shorter than one.
+        within = _cell_passes(grid, totals) if any(s.passes for s in spans) else None
         itl_tail_ms = request_itl_tail(
-            grid[:, :, _DECODE_WALL_S],
-            grid[:, :, _DECODE_TOKENS],
-            spans,
-            q,
-            _cell_passes(grid, totals),
-            early_prefills,
+            grid[:, :, _DECODE_WALL_S], grid[:, :, _DECODE_TOKENS], spans, q, within, early_prefills
         )
         ttft = _cell_latency(
             cells[:, _QS_PREFILL_REQS] + cells[:, _PREFILL_WALL_S], cells[:, _PREFILL_FINISHED], q

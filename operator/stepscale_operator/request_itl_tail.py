@@ -155,14 +155,15 @@ def request_itl_tail(
     # Prefix sums: a run of k cells is one subtraction, for every span.
     wall = np.cumsum(np.pad(decode_wall_s, ((0, 0), (1, 0))), axis=1)
     tokens = np.cumsum(np.pad(decode_tokens, ((0, 0), (1, 0))), axis=1)
+    starts = _StartCells.of(cell_passes) if cell_passes is not None else None
     for span in spans:
         if span.share <= 0.0:
             continue
         if span.passes > 0 and cell_passes is not None:
-            drawn = _within_cell(cell_passes, span.passes, early)
-            if drawn is not None:
-                values.append(drawn[0])
-                weights.append(span.share * drawn[1])
+            if starts is not None:  # None: no prompt finished, no short output started
+                itl, share = starts.draw(span.passes, early)
+                values.append(itl)
+                weights.append(span.share * share)
             continue
         k = min(max(span.cells, 1), n_cells)
         run_wall = wall[:, k:] - wall[:, :-k]
@@ -178,29 +179,47 @@ def request_itl_tail(
     return weighted_quantile(np.concatenate(values), np.concatenate(weights), quantile) * 1e3
 
 
-def _within_cell(
-    cells: CellPasses, passes: int, early: EarlyPrefills | None
-) -> tuple[FloatArray, FloatArray] | None:
-    """The ITL of a request of ``passes`` intervals within one cell, per cell and
-    count of prefill passes it meets, and each one's share (summing to 1); None
-    where no prompt finished."""
-    start = cells.finished > 0.0
-    if not start.any():
-        return None
-    ran = cells.passes.sum(axis=1)
-    stream_share = np.divide(
-        cells.prefill_passes.sum(axis=1), ran, out=np.zeros_like(ran), where=ran > 0.0
-    )
-    lift, rho = early.at(passes) if early is not None else (1.0, 0.0)
-    share = np.minimum(stream_share * lift, 1.0)
-    # One draw per stream, taken by each of its cells where prompts finished.
-    per_stream = beta_binomials(np.full(share.size, passes), share, np.full(share.size, rho))
-    counts = per_stream[np.nonzero(start)[0]]  # (cells, passes + 1)
-    met = np.arange(passes + 1, dtype=np.float64)[None, :] / passes
-    decode = cells.decode_pass_s[start][:, None]
-    itl = decode + met * (cells.prefill_pass_s[start][:, None] - decode)
-    finished = cells.finished[start]
-    return itl.ravel(), (counts * (finished / finished.sum())[:, None]).ravel()
+@dataclass(frozen=True)
+class _StartCells:
+    """The cells where prompts finished prefill (where short outputs start), with
+    what every short class's draw reads there: taken once per tail."""
+
+    stream: npt.NDArray[np.intp]  # each cell's stream
+    stream_share: FloatArray  # per stream, its share of prefill-bearing passes
+    decode_pass_s: FloatArray  # per cell
+    prefill_pass_s: FloatArray
+    weight: FloatArray  # per cell, its share of the finished prompts
+
+    @classmethod
+    def of(cls, cells: CellPasses) -> _StartCells | None:
+        """None where no prompt finished."""
+        start = cells.finished > 0.0
+        if not start.any():
+            return None
+        ran = cells.passes.sum(axis=1)
+        share = np.divide(
+            cells.prefill_passes.sum(axis=1), ran, out=np.zeros_like(ran), where=ran > 0.0
+        )
+        finished = cells.finished[start]
+        return cls(
+            np.nonzero(start)[0],
+            share,
+            cells.decode_pass_s[start],
+            cells.prefill_pass_s[start],
+            finished / finished.sum(),
+        )
+
+    def draw(self, passes: int, early: EarlyPrefills | None) -> tuple[FloatArray, FloatArray]:
+        """The ITL of a request of ``passes`` intervals, per start cell and count of
+        prefill passes it meets, and each one's share (summing to 1)."""
+        lift, rho = early.at(passes) if early is not None else (1.0, 0.0)
+        share = np.minimum(self.stream_share * lift, 1.0)
+        # One draw per stream, taken by each of its cells.
+        per_stream = beta_binomials(np.full(share.size, passes), share, np.full(share.size, rho))
+        met = np.arange(passes + 1, dtype=np.float64)[None, :] / passes
+        decode = self.decode_pass_s[:, None]
+        itl = decode + met * (self.prefill_pass_s[:, None] - decode)
+        return itl.ravel(), (per_stream[self.stream] * self.weight[:, None]).ravel()
 
 
 def weighted_quantile(values: FloatArray, weights: FloatArray, quantile: float) -> float:
@@ -210,7 +229,6 @@ def weighted_quantile(values: FloatArray, weights: FloatArray, quantile: float) 
     Many values (short outputs' draws: a few hundred thousand on 64 replicas) are
     first binned by value, and only the bin that holds the quantile is sorted:
     the same value as a sort of them all, in linear time."""
-    total = float(weights.sum())
     if values.size > _SORT_ALL_BELOW:
         low, high = float(values.min()), float(values.max())
         if high > low:
@@ -221,7 +239,7 @@ def weighted_quantile(values: FloatArray, weights: FloatArray, quantile: float) 
             inside = bins == at
             below = float(mass[at - 1]) if at > 0 else 0.0
             return _sorted_quantile(values[inside], weights[inside], quantile * mass[-1] - below)
-    return _sorted_quantile(values, weights, quantile * total)
+    return _sorted_quantile(values, weights, quantile * float(weights.sum()))
 
 
 # Beyond this many values the quantile bins them first (see weighted_quantile).
