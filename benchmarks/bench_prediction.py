@@ -201,6 +201,13 @@ def run_one(job: tuple[str, float, int, int, tuple[int, ...]]) -> dict[str, obje
         result.beside_by_second,
         [(check.time, check.prefill_tokens_per_decode) for check in policy.checks],
     )
+    outputs = RequestPasses.of(
+        np.array(log.rows, dtype=np.float64).reshape(-1, 3),
+        result.requests.first_token_s,
+        result.requests.finish_s,
+        result.replica_of,
+        result.traffic.output_tokens,
+    )
     return {
         "run": run,
         "replicas": replicas or "planner",
@@ -215,22 +222,8 @@ def run_one(job: tuple[str, float, int, int, tuple[int, ...]]) -> dict[str, obje
             (t, {str(n): v for n, v in at.items()}) for t, at in policy.predicted_across
         ],
         "window_itl_p99": window_itl_p99(result, [t for t, _ in policy.predicted_across]),
-        "short_outputs_meeting_prefill": short_output_calibration(
-            policy.short_meets,
-            np.array(log.rows, dtype=np.float64).reshape(-1, 3),
-            result.requests.first_token_s,
-            result.requests.finish_s,
-            result.replica_of,
-            result.traffic.output_tokens,
-        ),
-        "short_output_lift": short_output_lift(
-            policy.lifts,
-            np.array(log.rows, dtype=np.float64).reshape(-1, 3),
-            result.requests.first_token_s,
-            result.requests.finish_s,
-            result.replica_of,
-            result.traffic.output_tokens,
-        ),
+        "short_outputs_meeting_prefill": short_output_calibration(policy.short_meets, outputs),
+        "short_output_lift": short_output_lift(policy.lifts, outputs),
         "slow_requests": slow_request_anatomy(
             result.traffic.arrival_s,
             result.requests.first_token_s,
@@ -245,104 +238,106 @@ def run_one(job: tuple[str, float, int, int, tuple[int, ...]]) -> dict[str, obje
 # Outputs of up to this many intervals (tokens - 1) are set against the model's
 # prefill passes (:func:`short_output_calibration`).
 SHORT_INTERVALS = 16
+# The passes a request's replica share is taken over, as early_prefills takes it.
+LIFT_SHARE_PASSES = 512
+
+
+@dataclass(frozen=True)
+class RequestPasses:
+    """Per request of a run, what the passes of its replica held around it: the
+    prefill-bearing passes that ended after its first token and by its last
+    (``met``), and its replica's share of prefill-bearing passes over the
+    :data:`LIFT_SHARE_PASSES` passes up to its first token (``share``); both 0
+    for requests that did not finish (``done`` False)."""
+
+    first_token_s: npt.NDArray[np.float64]
+    output_tokens: npt.NDArray[np.int64]
+    done: npt.NDArray[np.bool_]
+    met: npt.NDArray[np.float64]
+    share: npt.NDArray[np.float64]
+    any_passes: bool
+
+    @classmethod
+    def of(
+        cls,
+        passes: npt.NDArray[np.float64],
+        first_token_s: npt.NDArray[np.float64],
+        finish_s: npt.NDArray[np.float64],
+        replica: npt.NDArray[np.int64],
+        output_tokens: npt.NDArray[np.int64],
+    ) -> RequestPasses:
+        """From the run's (replica, end time, carried prefill) pass rows."""
+        done = np.isfinite(first_token_s) & np.isfinite(finish_s)
+        met = np.zeros(first_token_s.size)
+        share = np.zeros(first_token_s.size)
+        for r in np.unique(replica[done]):
+            mine = passes[passes[:, 0] == r]
+            mine = mine[np.argsort(mine[:, 1], kind="stable")]
+            carried = np.concatenate([[0.0], np.cumsum(mine[:, 2])])
+            ids = np.flatnonzero(done & (replica == r))
+            after = np.searchsorted(mine[:, 1], first_token_s[ids], side="right")
+            by_last = np.searchsorted(mine[:, 1], finish_s[ids], side="right")
+            met[ids] = carried[by_last] - carried[after]
+            back = np.maximum(after - LIFT_SHARE_PASSES, 0)
+            share[ids] = (carried[after] - carried[back]) / np.maximum(after - back, 1)
+        return cls(first_token_s, output_tokens, done, met, share, passes.size > 0)
+
+    def of_length(self, tokens: int, last: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
+        """The finished requests of ``tokens`` output tokens that have a ``last``
+        measurement (its index, -1: none) before their first token."""
+        return np.flatnonzero(self.done & (self.output_tokens == tokens) & (last >= 0))
 
 
 def short_output_calibration(
-    predicted: list[tuple[float, list[float]]],
-    passes: npt.NDArray[np.float64],
-    first_token_s: npt.NDArray[np.float64],
-    finish_s: npt.NDArray[np.float64],
-    replica: npt.NDArray[np.int64],
-    output_tokens: npt.NDArray[np.int64],
+    predicted: list[tuple[float, list[float]]], requests: RequestPasses
 ) -> dict[str, list[float]]:
     """Per output length of 2..``SHORT_INTERVALS + 1`` tokens: [the share of such
     requests the model has meet at least one prefill pass, the share that did in
     the simulation, requests]. Each request is set against the last prediction
     before its first token; it met a prefill if a pass on its replica that ended
-    after its first token and by its last carried one. ``passes`` holds (replica,
-    end time, carried prefill) rows. Lengths with no request are left out.
+    after its first token and by its last carried one. Lengths with no request
+    are left out.
 
     The planner's p99 ITL on short-output traffic is set by this share, so a
     model low here is low there (bursty code held at 5 and 11 replicas: 0.65-0.75x
     and 0.3-0.6x; docs/planner-history.md, 2026-12-01)."""
     out: dict[str, list[float]] = {}
-    if not predicted or passes.size == 0:
+    if not predicted or not requests.any_passes:
         return out
     times = np.array([t for t, _ in predicted])
     meets = np.array([m for _, m in predicted])
-    done = np.isfinite(first_token_s) & np.isfinite(finish_s)
-    counts, _ = prefill_passes_met(passes, first_token_s, finish_s, replica, done)
-    met = counts > 0.0
-    which = np.searchsorted(times, first_token_s, side="right") - 1
+    which = np.searchsorted(times, requests.first_token_s, side="right") - 1
     for tokens in range(2, SHORT_INTERVALS + 2):
-        ids = np.flatnonzero(done & (output_tokens == tokens) & (which >= 0))
+        ids = requests.of_length(tokens, which)
         if ids.size:
             model = float(meets[which[ids], tokens - 2].mean())
-            out[str(tokens)] = [model, float(met[ids].mean()), float(ids.size)]
+            met = float((requests.met[ids] > 0.0).mean())
+            out[str(tokens)] = [model, met, float(ids.size)]
     return out
 
 
-# The passes a request's replica share is taken over, as early_prefills takes it.
-LIFT_SHARE_PASSES = 512
-
-
-def prefill_passes_met(
-    passes: npt.NDArray[np.float64],
-    first_token_s: npt.NDArray[np.float64],
-    finish_s: npt.NDArray[np.float64],
-    replica: npt.NDArray[np.int64],
-    done: npt.NDArray[np.bool_],
-) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """Per request (``done`` ones; 0 for the others): the prefill-bearing passes on
-    its replica that ended after its first token and by its last, and its
-    replica's share of prefill-bearing passes over the :data:`LIFT_SHARE_PASSES`
-    passes up to its first token. ``passes`` holds (replica, end time, carried
-    prefill) rows."""
-    met = np.zeros(first_token_s.size)
-    share = np.zeros(first_token_s.size)
-    for r in np.unique(replica[done]):
-        mine = passes[passes[:, 0] == r]
-        mine = mine[np.argsort(mine[:, 1], kind="stable")]
-        carried = np.concatenate([[0.0], np.cumsum(mine[:, 2])])
-        ids = np.flatnonzero(done & (replica == r))
-        after = np.searchsorted(mine[:, 1], first_token_s[ids], side="right")
-        by_last = np.searchsorted(mine[:, 1], finish_s[ids], side="right")
-        met[ids] = carried[by_last] - carried[after]
-        back = np.maximum(after - LIFT_SHARE_PASSES, 0)
-        share[ids] = (carried[after] - carried[back]) / np.maximum(after - back, 1)
-    return met, share
-
-
 def short_output_lift(
-    measured: list[tuple[float, list[float]]],
-    passes: npt.NDArray[np.float64],
-    first_token_s: npt.NDArray[np.float64],
-    finish_s: npt.NDArray[np.float64],
-    replica: npt.NDArray[np.int64],
-    output_tokens: npt.NDArray[np.int64],
+    measured: list[tuple[float, list[float]]], requests: RequestPasses
 ) -> dict[str, list[float]]:
     """Per output length of 2..``SHORT_INTERVALS + 1`` tokens (``m`` intervals):
     [the lift the streams measured at ``m`` (mean over such requests of the last
     measurement before their first token), the lift those requests had, requests].
-    A request's own lift is the prefill-bearing passes on its replica after its
-    first token and by its last (``K``) over ``m`` times its replica's share of
-    prefill passes over the :data:`LIFT_SHARE_PASSES` passes before its first
-    token; over the requests, sum K / (m sum share), as early_prefills sums it.
-    Lengths with no request are left out."""
+    A request's own lift is the prefill-bearing passes it met (``K``) over ``m``
+    times its replica's share before it; over the requests, sum K / (m sum
+    share), as early_prefills sums it. Lengths with no request are left out."""
     out: dict[str, list[float]] = {}
-    if not measured or passes.size == 0:
+    if not measured or not requests.any_passes:
         return out
     times = np.array([t for t, _ in measured])
     lifts = np.array([x for _, x in measured])
-    done = np.isfinite(first_token_s) & np.isfinite(finish_s)
-    met, share = prefill_passes_met(passes, first_token_s, finish_s, replica, done)
-    which = np.searchsorted(times, first_token_s, side="right") - 1
+    which = np.searchsorted(times, requests.first_token_s, side="right") - 1
     for tokens in range(2, SHORT_INTERVALS + 2):
         m = tokens - 1
-        ids = np.flatnonzero(done & (output_tokens == tokens) & (which >= 0))
-        if ids.size and share[ids].sum() > 0.0:
+        ids = requests.of_length(tokens, which)
+        share = float(requests.share[ids].sum())
+        if ids.size and share > 0.0:
             streams = float(lifts[which[ids], m - 1].mean())
-            own = float(met[ids].sum() / (m * share[ids].sum()))
+            own = float(requests.met[ids].sum() / (m * share))
             out[str(tokens)] = [streams, own, float(ids.size)]
     return out
 

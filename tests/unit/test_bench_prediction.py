@@ -135,11 +135,12 @@ def test_a_short_output_met_a_prefill_only_on_its_replica_between_its_tokens() -
     replica = np.array([0, 0, 0, 1, 0], dtype=np.int64)
     tokens = np.array([2, 3, 3, 3, 2], dtype=np.int64)
     model = [0.1 * m for m in range(1, 17)]  # P(K >= 1) for 1..16 intervals
-    cal = _bench().short_output_calibration([(0.01, model)], passes, first, finish, replica, tokens)
+    requests = _bench().RequestPasses.of(passes, first, finish, replica, tokens)
+    cal = _bench().short_output_calibration([(0.01, model)], requests)
     assert cal["2"] == pytest.approx([0.1, 0.0, 1.0])  # A alone (E not judged)
     assert cal["3"] == pytest.approx([0.2, 1.0 / 3.0, 3.0])  # B met it; C and D did not
     assert set(cal) == {"2", "3"}
-    assert _bench().short_output_calibration([], passes, first, finish, replica, tokens) == {}
+    assert _bench().short_output_calibration([], requests) == {}
 
 
 def test_a_short_outputs_own_lift_is_its_prefill_passes_over_its_replicas_share() -> None:
@@ -155,6 +156,7 @@ def test_a_short_outputs_own_lift_is_its_prefill_passes_over_its_replicas_share(
     replica = np.array([0, 0], dtype=np.int64)
     tokens = np.array([3, 3], dtype=np.int64)
     measured = [1.0 + 0.5 * m for m in range(1, 17)]  # 2.0 at two intervals
-    lift = _bench().short_output_lift([(1.0, measured)], passes, first, finish, replica, tokens)
+    requests = _bench().RequestPasses.of(passes, first, finish, replica, tokens)
+    lift = _bench().short_output_lift([(1.0, measured)], requests)
     assert lift == {"3": pytest.approx([2.0, 1.0 / (2.0 * (5 / 50 + 6 / 69)), 2.0])}
-    assert _bench().short_output_lift([], passes, first, finish, replica, tokens) == {}
+    assert _bench().short_output_lift([], requests) == {}
