@@ -441,6 +441,7 @@ class LoadEstimator:
                 cols[lo:hi, _PREFILL_PASSES],
                 cols[lo:hi, _PREFILL_FINISHED],
                 np.where(is_pass[lo:hi], q[lo:hi, QUEUED_PREFILL_REQS], 0.0),
+                n_dec[lo:hi],
                 now,
             )
         per_stream = np.zeros((streams.shape[0], _N_COLS))

@@ -30,10 +30,15 @@ def _clumped(cycles: int, gap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return np.full(prefill.shape, 0.02), prefill, finished
 
 
+def _decoding(wall: np.ndarray) -> np.ndarray:
+    """Every pass decodes (a heartbeat none): a stream that never ran dry."""
+    return (wall > 0.0).astype(float)
+
+
 def test_a_clump_mate_prefilled_next_lifts_the_first_passes_over_the_share() -> None:
     wall, prefill, finished = _clumped(400, 18)  # 2 prefill passes in 20: share 0.1
     est = EarlyPrefillEstimator(window_s=30.0)
-    est.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=10.0)
+    est.observe(0, wall, prefill, finished, np.zeros(wall.shape), _decoding(wall), now=10.0)
     early = est.measured(10.0)
     assert early is not None
     assert early.spans == SPANS
@@ -48,7 +53,7 @@ def test_a_clump_mate_prefilled_next_lifts_the_first_passes_over_the_share() -> 
     lift_16, rho_16 = early.at(16)
     assert lift_16 == pytest.approx(0.5 / 16 / 0.1, rel=0.05)
     assert rho_16 == 0.0
-    want = _reference(wall, prefill, finished, np.zeros(wall.shape))
+    want = _reference(wall, prefill, finished, np.zeros(wall.shape), _decoding(wall))
     for m, lift in zip(early.spans, early.lift, strict=True):
         assert lift == pytest.approx(want[m][0])
 
@@ -61,7 +66,8 @@ def test_each_prompt_is_judged_against_its_own_streams_share() -> None:
     quiet = np.tile(np.r_[1.0, np.zeros(39)], 100)
     est = EarlyPrefillEstimator()
     for slot, pre in ((0, busy), (1, quiet)):
-        est.observe(slot, np.full(pre.shape, 0.02), pre, pre, np.zeros(pre.shape), now=2.0)
+        wall = np.full(pre.shape, 0.02)
+        est.observe(slot, wall, pre, pre, np.zeros(pre.shape), _decoding(wall), now=2.0)
     early = est.measured(2.0)
     assert early is not None
     lift_2, _ = early.at(2)  # two passes: exactly one prefill on the busy replica
@@ -69,28 +75,43 @@ def test_each_prompt_is_judged_against_its_own_streams_share() -> None:
 
 
 def _reference(
-    wall: np.ndarray, prefill: np.ndarray, finished: np.ndarray, waiting: np.ndarray
+    wall: np.ndarray,
+    prefill: np.ndarray,
+    finished: np.ndarray,
+    waiting: np.ndarray,
+    decoding: np.ndarray,
 ) -> dict[int, tuple[float, float]]:
     """(lift, rho) per span, counted prompt by prompt against its stream's share,
-    from its stream's SHARE_PASSES-th pass on and outside a backlog."""
+    from its stream's SHARE_PASSES-th pass on and outside a backlog: the passes
+    up to the first that decodes nothing or follows a heartbeat as they were, the
+    rest a binomial at the share of prefill among the passes that decode."""
     passes = wall > 0.0
     run = np.cumsum(wall <= 0.0)[passes]
     pre = (prefill[passes] > 0).astype(float)
+    dec = decoding[passes] > 0
     fin, wait, busy = finished[passes], waiting[passes], wall[passes]
     out = {}
     for m in SPANS:
-        counts, weights, shares = [], [], []
+        counts, variances, weights, shares = [], [], [], []
         for j in range(SHARE_PASSES - 1, pre.size - m):
             last = slice(j + 1 - SHARE_PASSES, j + 1)
             calm = (wait[last] * busy[last]).sum() < busy[last].sum()
-            if fin[j] > 0 and run[j] == run[j + m] and calm:
-                counts.append(pre[j + 1 : j + 1 + m].sum())
-                weights.append(fin[j])
-                shares.append(pre[last].mean())
-        k, w, s = np.array(counts), np.array(weights), np.array(shares)
+            if fin[j] <= 0 or not calm:
+                continue
+            seen = 0
+            while seen < m and dec[j + 1 + seen] and run[j + 1 + seen] == run[j + seen]:
+                seen += 1
+            share = pre[last].mean()
+            decode_share = pre[last][dec[last]].mean() if dec[last].any() else share
+            rest = (m - seen) * decode_share
+            counts.append(pre[j + 1 : j + 1 + seen].sum() + rest)
+            variances.append(rest * (1 - decode_share))
+            weights.append(fin[j])
+            shares.append(share)
+        k, v, w, s = np.array(counts), np.array(variances), np.array(weights), np.array(shares)
         lift = (w @ k) / (m * (w @ s))
         q = lift * s
-        residual = w @ (k - m * q) ** 2
+        residual = w @ ((k - m * q) ** 2 + v)
         binomial = w @ (m * q * (1 - q))
         rho = 0.0 if m == 1 else min(max((residual / binomial - 1) / (m - 1), 0.0), 1.0)
         out[m] = (lift, rho)
@@ -105,13 +126,15 @@ def test_each_span_counts_the_prefill_passes_after_every_finished_prompt() -> No
         pre[i] = rng.random() < (0.5 if pre[i - 1] else 0.06)
     finished = pre * rng.integers(1, 3, pre.size).astype(float)
     wall = np.where(rng.random(pre.size) < 0.005, 0.0, 0.02)
+    # Now and then the engine runs dry: a pass that decodes nothing.
+    decoding = ((rng.random(pre.size) < 0.97) & (wall > 0.0)).astype(float)
     # A backlog over the middle third: its prompts are left out.
     waiting = np.where((np.arange(pre.size) > 2000) & (np.arange(pre.size) < 4000), 2.0, 0.0)
     est = EarlyPrefillEstimator()
-    est.observe(0, wall, pre, finished, waiting, now=3.0)
+    est.observe(0, wall, pre, finished, waiting, decoding, now=3.0)
     early = est.measured(3.0)
     assert early is not None
-    want = _reference(wall, pre, finished, waiting)
+    want = _reference(wall, pre, finished, waiting, decoding)
     rhos = dict(zip(early.spans, early.overdispersion, strict=True))
     for m, lift in zip(early.spans, early.lift, strict=True):
         assert lift == pytest.approx(want[m][0])
@@ -127,16 +150,17 @@ def test_a_backlog_and_a_stream_s_first_passes_are_not_counted() -> None:
     # prompts come. Nor does a stream count before it has a share of its own.
     wall, prefill, finished = _clumped(400, 18)
     est = EarlyPrefillEstimator()
-    est.observe(0, wall, prefill, finished, np.full(wall.shape, 2.0), now=1.0)
+    dec = _decoding(wall)
+    est.observe(0, wall, prefill, finished, np.full(wall.shape, 2.0), dec, now=1.0)
     assert est.measured(1.0) is None
     # A backlog that grew only lately (its stream's last passes had room on
     # average) still says the window's passes served a backlog: nothing measured.
     late = EarlyPrefillEstimator()
     waiting = np.where(np.arange(wall.size) > 0.6 * wall.size, 3.0, 0.0)
-    late.observe(0, wall, prefill, finished, waiting, now=1.0)
+    late.observe(0, wall, prefill, finished, waiting, dec, now=1.0)
     assert late.measured(1.0) is None
     calm = EarlyPrefillEstimator()
-    calm.observe(0, wall, prefill, finished, np.where(waiting > 0, 0.5, 0.0), now=1.0)
+    calm.observe(0, wall, prefill, finished, np.where(waiting > 0, 0.5, 0.0), dec, now=1.0)
     assert calm.measured(1.0) is not None
     # Over time, not passes: a backlog's passes are the long ones. Here one pass
     # in four holds 2 waiting: 0.5 a pass, but 1.4 over the time (its passes last
@@ -144,14 +168,15 @@ def test_a_backlog_and_a_stream_s_first_passes_are_not_counted() -> None:
     slow = np.arange(wall.size) % 4 == 0
     timed = EarlyPrefillEstimator()
     timed.observe(
-        0, np.where(slow, 0.1, 0.01), prefill, finished, np.where(slow, 2.0, 0.0), now=1.0
+        0, np.where(slow, 0.1, 0.01), prefill, finished, np.where(slow, 2.0, 0.0), dec, now=1.0
     )
     assert timed.measured(1.0) is None
     young = EarlyPrefillEstimator()
     n = SHARE_PASSES - 1  # a prompt finishing on each, enough to count were it older
-    young.observe(0, np.full(n, 0.02), np.ones(n), np.ones(n), np.zeros(n), now=1.0)
+    young.observe(0, np.full(n, 0.02), np.ones(n), np.ones(n), np.zeros(n), np.ones(n), now=1.0)
     assert young.measured(1.0) is None
-    young.observe(0, np.full(200, 0.02), np.ones(200), np.ones(200), np.zeros(200), now=1.0)
+    ones = np.ones(200)
+    young.observe(0, np.full(200, 0.02), ones, ones, np.zeros(200), ones, now=1.0)
     assert young.measured(1.0) is not None
 
 
@@ -164,11 +189,14 @@ def test_batches_split_anywhere_give_what_one_batch_gives() -> None:
     # that the sums' rounding breaks differently from batch to batch).
     waiting = rng.uniform(0.0, 2.0, 4000)
     whole = EarlyPrefillEstimator()
-    whole.observe(7, wall, prefill, finished, waiting, now=5.0)
+    decoding = (rng.random(4000) < 0.95).astype(float)
+    whole.observe(7, wall, prefill, finished, waiting, decoding, now=5.0)
     split = EarlyPrefillEstimator()
     cuts = [0, 1, 33, 34, 500, 1777, 4000]
     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-        split.observe(7, wall[lo:hi], prefill[lo:hi], finished[lo:hi], waiting[lo:hi], now=5.0)
+        split.observe(
+            7, wall[lo:hi], prefill[lo:hi], finished[lo:hi], waiting[lo:hi], decoding[lo:hi], 5.0
+        )
     a, b = whole.measured(5.0), split.measured(5.0)
     assert a is not None and b is not None
     assert a.spans == b.spans
@@ -176,25 +204,39 @@ def test_batches_split_anywhere_give_what_one_batch_gives() -> None:
     assert a.overdispersion == pytest.approx(b.overdispersion, rel=1e-9, abs=1e-12)
 
 
-def test_a_heartbeat_ends_the_passes_a_finished_prompt_is_counted_over() -> None:
-    # A prompt finishes, then the engine idles (heartbeat), then prompts are
-    # prefilled: nothing after the idle second was met by the first prompt's request.
-    cycle_wall = np.r_[0.02, 0.0, np.full(4, 0.02)]
-    cycle_pre = np.r_[1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
-    cycle_fin = np.r_[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+@pytest.mark.parametrize("idle_second", [True, False])
+def test_a_request_that_ends_leaves_the_rest_of_its_span_at_what_decodes_meet(
+    idle_second: bool,
+) -> None:
+    # A prompt finishes, its request ends (the next pass decodes nothing, after an
+    # idle second's heartbeat or a shorter idle that sends none), then a prompt is
+    # prefilled on an empty engine and decodes for 19 passes. That prefill came
+    # after the request: a request with more intervals would have met the passes
+    # at large for a decode, one prefill (the finished prompt's) in the 20 that
+    # decode. Counted by pass, each finished prompt would meet a prefill next.
+    cycle_wall = np.r_[0.02, *([0.0] if idle_second else []), np.full(20, 0.02)]
+    cycle_pre = np.r_[1.0, *([0.0] if idle_second else []), 1.0, np.zeros(19)]
+    cycle_fin = np.r_[1.0, *([0.0] if idle_second else []), 0.0, np.zeros(19)]
+    cycle_dec = np.r_[1.0, *([0.0] if idle_second else []), 0.0, np.ones(19)]
+    n = int(MIN_FINISHED) + 40
+    wall, pre, fin, dec = (np.tile(c, n) for c in (cycle_wall, cycle_pre, cycle_fin, cycle_dec))
     est = EarlyPrefillEstimator()
-    n = int(MIN_FINISHED) + 10
-    wall, pre, fin = np.tile(cycle_wall, n), np.tile(cycle_pre, n), np.tile(cycle_fin, n)
-    est.observe(0, wall, pre, fin, np.zeros(wall.shape), 1.0)
+    est.observe(0, wall, pre, fin, np.zeros(wall.shape), dec, 1.0)
     early = est.measured(1.0)
-    # Every finished prompt is followed by a heartbeat: no span can be counted.
-    assert early is None
+    assert early is not None
+    # The share at large: 2 prefill passes in 21; a decode meets 1 in 20 (about:
+    # the shares are taken over 512 passes, not whole cycles).
+    assert early.lift == pytest.approx([(1 / 20) / (2 / 21)] * len(SPANS), rel=0.03)
+    assert early.overdispersion == pytest.approx([0.0] * len(SPANS), abs=0.02)
+    want = _reference(wall, pre, fin, np.zeros(wall.shape), dec)
+    for m, lift in zip(early.spans, early.lift, strict=True):
+        assert lift == pytest.approx(want[m][0])
 
 
 def test_prompts_outside_the_window_are_forgotten() -> None:
     wall, prefill, finished = _clumped(200, 18)
     est = EarlyPrefillEstimator(window_s=10.0)
-    est.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
+    est.observe(0, wall, prefill, finished, np.zeros(wall.shape), _decoding(wall), now=1.0)
     assert est.measured(5.0) is not None
     assert est.measured(12.0) is None
 
@@ -314,7 +356,7 @@ def test_the_load_estimate_carries_what_its_streams_measured() -> None:
 
 
 def _head_of_backlogs(cycles: int, waiting: float) -> tuple[np.ndarray, ...]:
-    """(wall, prefill, finished, waiting) of a replica that idles along on decode,
+    """(wall, prefill, finished, waiting, decoding) of a replica that idles along on decode,
     then takes a burst it cannot keep up with: 40 slow prefill passes with
     ``waiting`` prompts queued. The burst's first prompts finish with room behind
     them (their last passes were calm), and what follows them is the backlog."""
@@ -322,7 +364,7 @@ def _head_of_backlogs(cycles: int, waiting: float) -> tuple[np.ndarray, ...]:
     wall = np.tile(np.r_[np.full(calm, 0.01), np.full(burst, 0.05)], cycles)
     prefill = np.tile(np.r_[np.zeros(calm - 1), np.ones(burst + 1)], cycles)
     queued = np.tile(np.r_[np.zeros(calm), np.full(burst, waiting)], cycles)
-    return wall, prefill, prefill.copy(), queued
+    return wall, prefill, prefill.copy(), queued, _decoding(wall)
 
 
 def test_a_stream_with_a_backlog_over_the_window_is_left_out_the_others_count() -> None:
@@ -332,9 +374,9 @@ def test_a_stream_with_a_backlog_over_the_window_is_left_out_the_others_count() 
     # its backlog did, not what a request meets on a replica with room.
     wall, prefill, finished = _clumped(400, 18)
     alone = EarlyPrefillEstimator()
-    alone.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
+    alone.observe(0, wall, prefill, finished, np.zeros(wall.shape), _decoding(wall), now=1.0)
     fleet = EarlyPrefillEstimator()
-    fleet.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
+    fleet.observe(0, wall, prefill, finished, np.zeros(wall.shape), _decoding(wall), now=1.0)
     fleet.observe(1, *_head_of_backlogs(5, waiting=5.0), now=1.0)
     want, got = alone.measured(1.0), fleet.measured(1.0)
     assert want is not None and got is not None
@@ -342,7 +384,7 @@ def test_a_stream_with_a_backlog_over_the_window_is_left_out_the_others_count() 
     assert got.overdispersion == pytest.approx(want.overdispersion)
     # The same replica with a lighter queue (under a prompt over its time) counts.
     light = EarlyPrefillEstimator()
-    light.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
+    light.observe(0, wall, prefill, finished, np.zeros(wall.shape), _decoding(wall), now=1.0)
     light.observe(1, *_head_of_backlogs(5, waiting=1.0), now=1.0)
     mixed = light.measured(1.0)
     assert mixed is not None
@@ -352,7 +394,7 @@ def test_a_stream_with_a_backlog_over_the_window_is_left_out_the_others_count() 
 def test_a_gone_stream_s_prompts_stay_for_the_window_and_its_slot_starts_afresh() -> None:
     wall, prefill, finished = _clumped(400, 18)
     est = EarlyPrefillEstimator(window_s=10.0)
-    est.observe(0, wall, prefill, finished, np.zeros(wall.shape), now=1.0)
+    est.observe(0, wall, prefill, finished, np.zeros(wall.shape), _decoding(wall), now=1.0)
     before = est.measured(1.0)
     assert before is not None
     est.forget(0)
@@ -365,6 +407,8 @@ def test_a_gone_stream_s_prompts_stay_for_the_window_and_its_slot_starts_afresh(
     assert est.measured(11.5) is None  # the gone stream's buckets left the window
     # Many streams come and go: rows are reused once their sums left the window.
     for t in range(20, 80):
-        est.observe(t, wall[:50], prefill[:50], finished[:50], np.zeros(50), now=float(t))
+        est.observe(
+            t, wall[:50], prefill[:50], finished[:50], np.zeros(50), np.ones(50), now=float(t)
+        )
         est.forget(t)
     assert est._ring.shape[0] <= 16
