@@ -740,16 +740,20 @@ def _short_output_passes(
         policy.balanced_routing,
     )
     # A decode's passes carry the prompts its replica is sent, which a balancing
-    # router keeps off busy replicas: the share the decodes meet is the replica's
-    # times the exposure, as for long outputs (whose count keeps its variance; the
-    # chain's is thinned with its share). Unthinned, bursty code held at 22
-    # replicas (exposure 0.14) put the share of 6-11-token outputs that met a
-    # prefill at 5x the simulated (10.6% against 2.0%) and the p99 ITL at 1.8x; at
-    # 11 (exposure 0.62) 1.4x and 1.2x (docs/planner-history.md, 2026-11-30 eighth).
-    chain = PrefillPassChain.of(min(share * exposure, 1.0), variance_per_pass * exposure)
-    return _ShortOutputPasses(
-        chain, _early_prefills_at(load, exposure, steady.batch, replicas), exposure
-    )
+    # router keeps off busy replicas. Where the streams measured what a request's
+    # first passes meet (the lift), that is in the lift: measured against the
+    # replica's share at large, and carried to this count by the router's pick
+    # (_early_prefills_at), so the chain keeps the replica's share. Else the
+    # share the decodes meet is the replica's times the exposure, as for long
+    # outputs (whose count keeps its variance; the chain's is thinned with its
+    # share). Unthinned and without a lift, bursty code held at 22 replicas
+    # (exposure 0.14) put the share of 6-11-token outputs that met a prefill at 5x
+    # the simulated (docs/planner-history.md, 2026-11-30 eighth); thinned with the
+    # lift too, the router's pick entered twice (2026-12-01, fifth).
+    early = _early_prefills_at(load, exposure, steady.batch, replicas)
+    thinning = 1.0 if early is not None else exposure
+    chain = PrefillPassChain.of(min(share * thinning, 1.0), variance_per_pass * thinning)
+    return _ShortOutputPasses(chain, early, exposure)
 
 
 def short_output_prefill_counts(
@@ -797,13 +801,11 @@ def _early_prefills_at(
     replicas predicted from 5 at 1.83x their simulated p99 and 5 from 11 at 0.73x
     (docs/planner-history.md, 2026-11-30 seventh).
 
-    The lift multiplies the chain's share, which :func:`_short_output_passes` thins by
-    the exposure at ``replicas`` since (2026-11-30 eighth), so across counts the
-    router's pick enters the first passes twice: through the chain and through
-    this carry. Measured, not over-corrected (bursty code held at 5, 8 and 11: 11
-    from 5 at 1.26x the simulated p99, 1.39x before the thinning), but the two
-    are not yet one rule: outputs of 1-4 tokens read 0.47-0.77x as often meeting
-    a prefill as simulated.
+    The lift multiplies the chain's share, which :func:`_short_output_passes` keeps
+    at the replica's share where a lift is measured: the router's pick enters the
+    first passes once, here. (From 2026-11-30 eighth to 2026-12-01 fifth the chain
+    was thinned by the exposure as well, which cancelled part of a lift that read
+    high on roomy fleets; see early_prefills.)
     """
     early = load.early_prefills
     measured = load.measured_replicas

@@ -2106,6 +2106,28 @@ def test_short_outputs_meet_only_the_prompts_a_balancing_router_sends_to_busy_re
     assert kept_off_mean == pytest.approx(spread_mean, rel=1e-9)
 
 
+def test_where_a_lift_is_measured_the_router_s_pick_enters_short_outputs_once() -> None:
+    # Busy replicas (over two decodes at a time) and a balancing router: without a
+    # measured lift, short outputs meet the replica's share thinned by the router's
+    # exposure (the test above). A lift measured at this very count already holds
+    # where the router put the prompts (it is what the requests' first passes met
+    # over the replica's share), so there the deficit moves nothing: thinning the
+    # chain as well took the router's pick twice.
+    from stepscale_operator.early_prefills import SPANS, EarlyPrefills
+
+    shares = tuple(0.5 if first in (6, 8) else 0.0 for first, _ in OUTPUT_INTERVAL_BINS)
+    early = EarlyPrefills(SPANS, (1.5,) * len(SPANS), (0.1,) * len(SPANS))
+    base = replace(load_of(100.0, prompt=200.0, output=9.0), output_interval_shares=shares)
+
+    def p99(deficit: float, lift: EarlyPrefills | None) -> float:
+        load = replace(base, prefill_pass_decode_deficit=deficit, early_prefills=lift)
+        per = PerReplicaLoad.from_estimate(load, 4)
+        return predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), 4).itl_ms
+
+    assert p99(1.2, early) == pytest.approx(p99(0.0, early), rel=1e-9)
+    assert p99(1.2, None) < 0.85 * p99(0.0, None)
+
+
 def test_the_lift_of_a_requests_first_passes_is_carried_to_other_counts_with_the_router() -> None:
     # Short outputs set the ITL (1-3 intervals), and their first passes were
     # measured on 4 replicas to carry prefill twice as often as passes at large. A
@@ -2113,10 +2135,8 @@ def test_the_lift_of_a_requests_first_passes_is_carried_to_other_counts_with_the
     # measured deficit) keeps them off more as the fleet grows, so the lift is
     # carried to another count with the decodes a prefill pass carries there: at 8
     # replicas the p99 ITL is below that of a router that picks any replica (no
-    # deficit). At the measured count the lift is as measured, and the exposure
-    # that thins the chain is 1 here (half a decode per replica over time: a
-    # prefill pass carries the one decode any pass carries), so the deficit moves
-    # nothing there.
+    # deficit). At the measured count the lift is as measured (the router's pick
+    # is in it), so the deficit moves nothing there.
     from stepscale_operator.early_prefills import SPANS, EarlyPrefills
 
     shares = tuple(1.0 / 3.0 if first in (1, 2, 3) else 0.0 for first, _ in OUTPUT_INTERVAL_BINS)
