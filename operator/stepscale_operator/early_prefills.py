@@ -61,8 +61,8 @@ the sums). Counted across such passes, every short request on a replica with
 room met the prompt that woke its engine next: on bursty code held at 16
 replicas the lift read 1.7-20 times what the requests of 2-8 tokens had; and
 counted only where the stream kept stepping ``m`` passes (heartbeats alone
-ended a count before 2026-12-01), the prompts that count on a roomy replica are
-those with company. Pure numpy; the load estimator calls
+ended a count until 2026-12-01, fifth), the prompts that count on a roomy
+replica are those with company. Pure numpy; the load estimator calls
 :meth:`EarlyPrefillEstimator.observe` per stream and reads
 :meth:`EarlyPrefillEstimator.measured` with its estimate.
 """
@@ -298,7 +298,7 @@ class EarlyPrefillEstimator:
         last = j[:, None] + spans[None, :]  # (prompts, spans)
         counted = (last < end) & (last >= kept) & calm[:, None]
         seen = np.minimum(met, spans[None, :])
-        observed = cum[np.minimum(j[:, None] + seen, end - 1) + 1] - cum[j + 1][:, None]
+        observed = cum[j[:, None] + 1 + seen] - cum[j + 1][:, None]  # seen <= met: in range
         # The rest at the share a decode meets, as a binomial (its mean and variance).
         rest = (spans[None, :] - seen) * decode_share[:, None]
         rest_var = rest * (1.0 - decode_share[:, None])

@@ -805,7 +805,11 @@ def _early_prefills_at(
     at the replica's share where a lift is measured: the router's pick enters the
     first passes once, here. (From 2026-11-30 eighth to 2026-12-01 fifth the chain
     was thinned by the exposure as well, which cancelled part of a lift that read
-    high on roomy fleets; see early_prefills.)
+    high on roomy fleets; see early_prefills.) This carry is too flat in the
+    count: bursty code held at 5, 6, 8 and 11 predicts 11 from 5 at 1.39x the
+    simulated p99 and 5 from 11 at 0.67x, where each count's own load gives
+    0.82-0.97x (docs/planner-history.md, 2026-12-01 fifth): a balancing router's
+    pick falls with the count faster than the deficit's exposure has it.
     """
     early = load.early_prefills
     measured = load.measured_replicas
