@@ -288,6 +288,16 @@ class RequestPasses:
         return np.flatnonzero(self.done & (self.output_tokens == tokens) & (last >= 0))
 
 
+def latest_before_first_token(
+    series: list[tuple[float, list[float]]], requests: RequestPasses
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.intp]]:
+    """(the series' values as rows, per request the index of the last row recorded
+    before its first token, -1: none): what each request is set against."""
+    times = np.array([t for t, _ in series])
+    values = np.array([v for _, v in series])
+    return values, np.searchsorted(times, requests.first_token_s, side="right") - 1
+
+
 def short_output_calibration(
     predicted: list[tuple[float, list[float]]], requests: RequestPasses
 ) -> dict[str, list[float]]:
@@ -304,9 +314,7 @@ def short_output_calibration(
     out: dict[str, list[float]] = {}
     if not predicted or not requests.any_passes:
         return out
-    times = np.array([t for t, _ in predicted])
-    meets = np.array([m for _, m in predicted])
-    which = np.searchsorted(times, requests.first_token_s, side="right") - 1
+    meets, which = latest_before_first_token(predicted, requests)
     for tokens in range(2, SHORT_INTERVALS + 2):
         ids = requests.of_length(tokens, which)
         if ids.size:
@@ -328,9 +336,7 @@ def short_output_lift(
     out: dict[str, list[float]] = {}
     if not measured or not requests.any_passes:
         return out
-    times = np.array([t for t, _ in measured])
-    lifts = np.array([x for _, x in measured])
-    which = np.searchsorted(times, requests.first_token_s, side="right") - 1
+    lifts, which = latest_before_first_token(measured, requests)
     for tokens in range(2, SHORT_INTERVALS + 2):
         m = tokens - 1
         ids = requests.of_length(tokens, which)
