@@ -30,9 +30,11 @@ horizon lets the burst go. That was a level that faded (long context: a rise
 faster than pods start, ten minutes up, then down over several; its peak held 12
 replicas where 5-8 served), and the usual scale-down follows it; status says
 when (``status.bursts.fadedSecondsAgo``). A fall within one horizon keeps the
-peak as before. A faded burst still counts as an onset for the period below: a
-level that comes at a period, faster than pods start, needs its capacity a
-start-up ahead each time however slowly it leaves.
+peak as before. The same fall from a level no onset was seen for (it started
+with the planner, or rose while the needs read high) is a burst seen from its
+end, and its level is kept the same way. A faded burst still counts as an
+onset for the period below: a level that comes at a period, faster than pods
+start, needs its capacity a start-up ahead each time however slowly it leaves.
 Once bursts come at a steady period (:mod:`~stepscale_operator.burst_recurrence`),
 the next one's peak is provisioned one horizon before it is due, and nothing is
 held between. Pure and deterministic, like the planner that owns it.
@@ -133,6 +135,8 @@ class BurstMemory:
         self._down_since: float | None = None
         self._fall_judged = False
         self._faded_at: float | None = None  # when the latest burst was let go
+        # The latest burst was seen from its end (:meth:`_note_a_level_that_left`).
+        self._seen_leaving = False
         self._recurrence = BurstRecurrence(
             settings.recurring_bursts, settings.burst_period_tolerance
         )
@@ -258,6 +262,7 @@ class BurstMemory:
         self._needs.append(_Need(now, needed, load))
         self._needs = [r for r in self._needs if r.time >= now - keep]
         self._note_a_burst(now, needed, load, horizon, first_decision)
+        self._note_a_level_that_left(now, horizon, first_decision)
         kept = self._kept_peak(now, load, size, keep, horizon)
         recurring = self._recurrence.expected(now)
         value: int = kept.memory
@@ -330,6 +335,7 @@ class BurstMemory:
         self._down_since = None
         self._fall_judged = False
         self._faded_at = None
+        self._seen_leaving = False
         if since_last is None or since_last > horizon:
             # A new burst's beat: when the need crossed halfway up. The low point's
             # time wanders with the noise of the need before the burst (3, 4,
@@ -337,6 +343,79 @@ class BurstMemory:
             # steep.
             halfway = min(r.time for r in before if 2 * r.replicas >= low + needed)
             self._recurrence.burst_began(halfway, needed)
+
+    def _remembers_a_burst(self, now: float) -> bool:
+        """A burst is in the memory: seen within ``burst_memory_s`` and not let go."""
+        last = self._last_burst
+        return (
+            last is not None
+            and self._faded_at is None
+            and now - last <= self.settings.burst_memory_s
+        )
+
+    def _left_from(self, level: _Need, low: _Need) -> bool:
+        """``low`` is a burst's fall from ``level`` in the arrivals themselves, as an
+        onset's rise must be: prompt tokens alone leave a load window a window
+        after a few long prompts came (see :meth:`_note_a_burst`)."""
+        return (
+            self._fell_by_a_burst(level, low)
+            and arrivals_rise_z(low.load, level.load) >= self.settings.burst_min_z
+        )
+
+    def _note_a_level_that_left(
+        self, now: float, horizon: float, first_decision: float | None
+    ) -> None:
+        """Record a level that left faster than pods start as a burst seen from its end.
+
+        The onset's rule sees a burst only if it rose within one horizon after the
+        planner's warm-up, by ``burst_min_step`` from a low the needs' noise sets.
+        Traffic that switches on and off can start during the warm-up, or come up
+        while the needs read high (bursty code on seed 1: 10-15 requests a second
+        for three minutes, then silence, then 31 a second; kept as a burst only when
+        the needs' noise happened to read 2 before 6, and the fleet met the 31 with
+        5 replicas, or with 2 when it did not). Its end says what its start did not:
+        a demand that leaves faster than pods start may come back as fast, which is
+        why a burst's peak is kept (and why one that faded over longer is let go).
+
+        The same rules as a burst's fall (:meth:`_fell_by_a_burst`), in the arrivals
+        too (:meth:`_left_from`), from a level held for a load window to a low held
+        for one, within one horizon, and the onset's rule on the needs
+        (``burst_min_step`` and ``burst_ratio``).
+        Nothing is recorded while a burst is remembered: its own fall is judged.
+        """
+        if self._remembers_a_burst(now):
+            return
+        policy = self.settings
+        window_s = self._needs[-1].load.window_s
+        low_since = now - window_s
+        lows = [r for r in self._needs if r.time >= low_since]
+        first = first_decision if first_decision is not None else now
+        # The level is judged after the planner's warm-up, like a burst's low point.
+        since = max(first + horizon, low_since - horizon)
+        run: list[_Need] = []
+        held: list[_Need] = []
+        for r in self._needs:
+            if not since <= r.time < low_since:
+                continue
+            if all(self._left_from(r, low) for low in lows):
+                run.append(r)
+                if run[-1].time - run[0].time >= window_s:
+                    held = list(run)
+            else:
+                run = []
+        if not held:
+            return
+        low_need = max(r.replicas for r in lows)
+        peak = max(r.replicas for r in held)
+        if peak - low_need < policy.burst_min_step or peak < policy.burst_ratio * max(low_need, 1):
+            return
+        self._last_burst = held[-1].time
+        self._burst_began = self._latest_began = held[0].time
+        # Its fall is judged here: within one horizon by construction.
+        self._down_since = now
+        self._fall_judged = True
+        self._faded_at = None
+        self._seen_leaving = True
 
     def _kept_peak(
         self,
@@ -380,6 +459,12 @@ class BurstMemory:
                 f"the burst seen {seen:.0f}s ago faded over longer than a pod "
                 f"start-up ({faded:.0f}s ago): a level that went, not a burst that "
                 "may come back as fast, so its peak is not kept"
+            )
+        if value and seen is not None and self._seen_leaving:
+            return (
+                f"a demand left faster than pod start-up {seen:.0f}s ago and may come "
+                f"back as fast; its level (needing {value} as the model is now) is kept "
+                f"for {self.settings.burst_memory_s:.0f}s"
             )
         if value and seen is not None:
             return (

@@ -1279,19 +1279,23 @@ def test_a_need_that_jumps_on_a_few_long_prompts_is_not_a_burst() -> None:
         assert later.floor == (jumped if is_burst else 0), later.reason
 
 
+def _uniform_prompts_load(requests_per_s: float, prompt: float) -> LoadEstimate:
+    """Prompts of one length, as the histogram holds them (no sampling noise in their
+    tokens, so a change of length alone is beyond the noise)."""
+    lengths = np.full(100, prompt)
+    return replace(
+        load_of(requests_per_s, prompt=prompt),
+        prompt_histogram=prompt_histogram_of(lengths),
+        prompt_bin_tokens=prompt_bin_tokens_of(lengths),
+    )
+
+
 def test_heavier_prompts_at_unchanged_arrivals_are_not_a_burst() -> None:
     # Prompts of one length (no sampling noise in their tokens): the window's prompts
     # are 1.5x longer at the same arrival rate, and the need jumps past the burst
     # ratio. That is the request mix, which the mix memory holds scale-down for, not
     # a source of arrivals switching on; 2.5x the arrivals is a burst.
-    def uniform(requests_per_s: float, prompt: float) -> LoadEstimate:
-        lengths = np.full(100, prompt)
-        return replace(
-            load_of(requests_per_s, prompt=prompt),
-            prompt_histogram=prompt_histogram_of(lengths),
-            prompt_bin_tokens=prompt_bin_tokens_of(lengths),
-        )
-
+    uniform = _uniform_prompts_load
     usual, heavier, more = uniform(60.0, 1000.0), uniform(60.0, 1500.0), uniform(150.0, 1000.0)
     low, jumped, horizon = 4, 8, 70.0
 
@@ -1356,6 +1360,77 @@ def test_a_burst_that_fades_over_minutes_is_not_kept_one_that_ends_at_once_is() 
     # A fall of a burst's size within one start-up, after a slower start, is a burst
     # that ended: kept.
     assert [f.floor for f in run([7] * 6 + [4] * 54)] == [8] * 60
+
+
+def test_a_level_that_leaves_faster_than_a_startup_is_kept_like_a_burst() -> None:
+    # Traffic that switches on and off: the first level starts with the planner (its
+    # rise is the warm-up, no burst by the onset's rule), then stops within seconds.
+    # Its end says what its start could not: a demand that leaves faster than pods
+    # start may come back as fast, so its level is kept for the burst memory. One
+    # that came down over minutes, or by fewer than ``burst_min_step`` replicas, is
+    # the usual scale-down's. The memory is driven with the needs directly.
+    horizon = 70.0
+    rates = {1: 5.0, 4: 20.0, 5: 50.0, 6: 60.0, 7: 70.0, 8: 100.0}
+    loads = {need: load_of(rate) for need, rate in rates.items()}
+
+    def size(load: LoadEstimate) -> int:
+        return next(need for need, at in loads.items() if at is load)
+
+    def run(after: list[int]) -> list[BurstFloor]:
+        memory = BurstMemory(_burst_rules_policy())
+        for t in range(0, 400, 10):
+            level = memory.floor(float(t), 8, horizon, 0.0, loads[8], size)
+            assert level.floor == 0 and level.seen_s_ago is None  # no onset seen
+        return [
+            memory.floor(400.0 + 10.0 * k, need, horizon, 0.0, loads[need], size)
+            for k, need in enumerate(after)
+        ]
+
+    # Down to 1 at once: kept once the low has held a load window (30 s), for the
+    # burst memory (900 s) from the level's last reading (390 s).
+    at_once = run([1] * 100)
+    assert [f.floor for f in at_once[:3]] == [0] * 3
+    assert [f.floor for f in at_once[3:90]] == [8] * 87  # 430 s to 1,290 s
+    assert [f.floor for f in at_once[90:]] == [0] * 10
+    assert at_once[3].seen_s_ago == 40.0 and at_once[3].faded_s_ago is None
+    assert "left faster than pod start-up" in at_once[3].reason
+    # Down to 4 at once: 8 is a burst's ratio and step above it.
+    assert {f.floor for f in run([4] * 20)[3:]} == {8}
+    # Down over minutes (a replica every 80 s): the usual scale-down.
+    fading = run([7] * 8 + [6] * 8 + [5] * 8 + [4] * 36)
+    assert {f.floor for f in fading} == {0}
+    # Down by fewer replicas than a burst's step, however fast.
+    assert {f.floor for f in run([6] * 40)} == {0}
+    # Prompts three times shorter at the same arrivals: the mix, not a level that left
+    # (the mix memory's to judge), however far the need falls.
+    loads[8] = _uniform_prompts_load(60.0, prompt=3000.0)
+    loads[4] = _uniform_prompts_load(60.0, prompt=1000.0)
+    assert {f.floor for f in run([4] * 40)} == {0}
+
+
+def test_a_fleet_keeps_a_level_that_stopped_at_once_through_the_silence() -> None:
+    # Through the planner: requests from the start, then silence. The fleet holds the
+    # level's count where it would have stepped down after the stabilization window.
+    policy = _burst_rules_policy()
+    level, silent = load_of(100.0), load_of(0.5)
+    total = needed_for(level, policy)
+    planner = Planner(policy)
+    total, t = _run_steady(planner, level, total, 0.0, 300.0)
+    total, t = _run_steady(planner, silent, total, t, t + 600.0)
+    assert total >= held_for(level, policy) > needed_for(silent, policy)
+    d = planner.decide(inputs_for(silent, total, now=t), now=t)
+    assert d.action == "hold" and "left faster than pod start-up" in d.reason
+    # Without the burst memory the silence is scaled down to.
+    policy = PlannerPolicy(
+        initial_hold_s=0.0,
+        scale_down_stabilization_s=60.0,
+        scale_down_settle_s=0.0,
+        burst_memory_s=0.0,
+    )
+    planner = Planner(policy)
+    total, t = _run_steady(planner, level, needed_for(level, policy), 0.0, 300.0)
+    total, t = _run_steady(planner, silent, total, t, t + 600.0)
+    assert total == needed_for(silent, policy)
 
 
 def test_a_bursts_fall_is_judged_on_its_demand_not_on_the_needs_recorded() -> None:
