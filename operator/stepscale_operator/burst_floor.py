@@ -328,7 +328,7 @@ class BurstMemory:
         # burst_memory_s old (on bursty code a 4-replica burst replaced a
         # 13-replica memory, the fleet walked down to 6 and the next cluster met
         # it: 99.18% -> 99.57% attainment for 2.3% more GPU-hours).
-        if since_last is None or since_last > policy.burst_memory_s:
+        if not self._remembers_a_burst(now):
             self._burst_began = at_low.time
         self._last_burst = now
         self._latest_began = at_low.time
@@ -441,8 +441,10 @@ class BurstMemory:
             # Sized again even at this decision: ``needed`` has the look-ahead, the
             # memory does not.
             peak = size(with_fleet_of(top.load, load))
-            # The burst's peak, for the next one of a period (even without a memory).
-            self._recurrence.burst_need(peak)
+            # The burst's peak, for the next one of a period (even without a memory);
+            # a level seen only leaving had no onset there to size.
+            if not self._seen_leaving:
+                self._recurrence.burst_need(peak)
             if age <= self.settings.burst_memory_s:
                 memory = peak
         return _KeptPeak(memory, remembered, seen, faded)

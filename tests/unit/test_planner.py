@@ -1376,8 +1376,8 @@ def test_a_level_that_leaves_faster_than_a_startup_is_kept_like_a_burst() -> Non
     def size(load: LoadEstimate) -> int:
         return next(need for need, at in loads.items() if at is load)
 
-    def run(after: list[int]) -> list[BurstFloor]:
-        memory = BurstMemory(_burst_rules_policy())
+    def run(after: list[int], memory: BurstMemory | None = None) -> list[BurstFloor]:
+        memory = memory or BurstMemory(_burst_rules_policy())
         for t in range(0, 400, 10):
             level = memory.floor(float(t), 8, horizon, 0.0, loads[8], size)
             assert level.floor == 0 and level.seen_s_ago is None  # no onset seen
@@ -1394,6 +1394,11 @@ def test_a_level_that_leaves_faster_than_a_startup_is_kept_like_a_burst() -> Non
     assert [f.floor for f in at_once[90:]] == [0] * 10
     assert at_once[3].seen_s_ago == 40.0 and at_once[3].faded_s_ago is None
     assert "left faster than pod start-up" in at_once[3].reason
+    # It had no onset: the bursts a period is learned from keep their own peaks.
+    earlier = BurstMemory(_burst_rules_policy())
+    earlier.restore([(-2000.0, 5), (-1400.0, 5)])
+    assert [f.floor for f in run([1] * 10, earlier)[3:]] == [8] * 7
+    assert earlier.onsets() == [(-2000.0, 5), (-1400.0, 5)]
     # Down to 4 at once: 8 is a burst's ratio and step above it.
     assert {f.floor for f in run([4] * 20)[3:]} == {8}
     # Down over minutes (a replica every 80 s): the usual scale-down.
