@@ -184,6 +184,9 @@ class BurstFloor:
     # The latest burst's demand faded over longer than a start-up this long ago, and
     # its peak is no longer kept (None: not faded, or no burst).
     faded_s_ago: float | None
+    # The latest burst was seen from its end: a level whose arrivals stopped within a
+    # start-up, with no onset seen (kept like a burst's peak).
+    seen_leaving: bool
     onsets: tuple[tuple[float, int], ...]
     recurring: RecurringBurst | None
     reason: str
@@ -193,6 +196,7 @@ class BurstFloor:
         return {
             "burst_seen_s_ago": self.seen_s_ago,
             "burst_faded_s_ago": self.faded_s_ago,
+            "burst_seen_leaving": self.seen_leaving,
             "recurring_burst": asdict(self.recurring) if self.recurring is not None else None,
             "burst_onsets": [[onset, peak] for onset, peak in self.onsets],
         }

@@ -325,6 +325,34 @@ def test_status_says_when_a_bursts_load_faded_and_its_peak_was_let_go() -> None:
     assert types_ok(last, status_schema) == []
 
 
+def test_status_says_when_a_burst_was_seen_only_leaving() -> None:
+    # Requests from the start (no onset after the warm-up), then silence within
+    # seconds: the level is kept like a burst's peak, and status says how it was seen.
+    planner = Planner(replace(PlannerPolicy(), initial_hold_s=0.0))
+    total, t, decisions = 2, 0.0, []
+    while t <= 700.0:
+        d = _decide(planner, t, 100.0 if t < 400.0 else 0.5, total)
+        total = d.desired_replicas
+        decisions.append(d)
+        t += 10.0
+    assert burst_status(decisions[35], 1.7e9) is None  # t = 350: the level holds
+    last = burst_status(decisions[-1], 1.7e9)
+    assert last is not None and last["seenLeaving"] is True
+    assert 300.0 - 30.0 <= last["lastSeenSecondsAgo"] <= 300.0 + 30.0
+    assert "left faster than pod start-up" in decisions[-1].reason
+    status_schema = schema()["properties"]["status"]["properties"]["bursts"]
+    assert pruned(last, status_schema) == last
+    assert types_ok(last, status_schema) == []
+    # A burst seen at its onset is not marked.
+    onset = Planner(replace(PlannerPolicy(), initial_hold_s=0.0))
+    total, t = 2, 0.0
+    while t <= 500.0:
+        d = _decide(onset, t, 20.0 if t < 300.0 else 100.0, total)
+        total, t = d.desired_replicas, t + 10.0
+    seen = burst_status(d, 1.7e9)
+    assert seen is not None and "seenLeaving" not in seen
+
+
 def test_restored_bursts_stay_in_status_before_a_burst_is_seen() -> None:
     planner = Planner()
     planner.restore_burst_onsets([(100.0, 5), (700.0, 6), (1300.0, 5)])

@@ -294,9 +294,9 @@ def decision_status(decision: Decision, wall_s: float, applied: bool) -> dict[st
 def burst_status(decision: Decision, wall_s: float) -> dict[str, Any] | None:
     """``status.bursts`` from a decision made on the model (at wall-clock ``wall_s``):
     the last burst faster than pod start-up (and when its demand faded, if it did: its
-    peak is then no longer kept), the recent bursts' onsets (what a
-    restarted operator learns the period from again) and, when bursts recur at a
-    period, the next one; None if none seen."""
+    peak is then no longer kept; whether it was seen only from its end), the recent
+    bursts' onsets (what a restarted operator learns the period from again) and, when
+    bursts recur at a period, the next one; None if none seen."""
     inputs = decision.inputs
     seen = inputs.get("burst_seen_s_ago")
     onsets = inputs.get("burst_onsets")
@@ -310,6 +310,8 @@ def burst_status(decision: Decision, wall_s: float) -> dict[str, Any] | None:
     faded = inputs.get("burst_faded_s_ago")
     if isinstance(faded, int | float):
         out["fadedSecondsAgo"] = finite(faded, 1)
+    if inputs.get("burst_seen_leaving") is True:
+        out["seenLeaving"] = True
     if isinstance(onsets, list) and onsets:
         # The planner's clock is monotonic; status keeps wall-clock times.
         out["recent"] = [
