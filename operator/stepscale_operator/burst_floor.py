@@ -356,8 +356,9 @@ class BurstMemory:
 
     def _left_from(self, level: _Need, low: _Need) -> bool:
         """``low`` is a burst's fall from ``level`` in the arrivals themselves, as an
-        onset's rise must be: prompt tokens alone leave a load window a window
-        after a few long prompts came (see :meth:`_note_a_burst`)."""
+        onset's rise must be (see :meth:`_note_a_burst`): a few long prompts lift a
+        load window's prompt tokens for one window, and their leaving it is the
+        mix's, not a level that left."""
         return (
             self._fell_by_a_burst(level, low)
             and arrivals_rise_z(low.load, level.load) >= self.settings.burst_min_z
@@ -390,14 +391,17 @@ class BurstMemory:
         window_s = self._needs[-1].load.window_s
         low_since = now - window_s
         lows = [r for r in self._needs if r.time >= low_since]
+        low_need = max(r.replicas for r in lows)
         first = first_decision if first_decision is not None else now
         # The level is judged after the planner's warm-up, like a burst's low point.
         since = max(first + horizon, low_since - horizon)
+        before = [r for r in self._needs if since <= r.time < low_since]
+        # The needs' test first: it is cheap and rules out almost every decision.
+        if not before or max(r.replicas for r in before) - low_need < policy.burst_min_step:
+            return
         run: list[_Need] = []
         held: list[_Need] = []
-        for r in self._needs:
-            if not since <= r.time < low_since:
-                continue
+        for r in before:
             if all(self._left_from(r, low) for low in lows):
                 run.append(r)
                 if run[-1].time - run[0].time >= window_s:
@@ -406,7 +410,6 @@ class BurstMemory:
                 run = []
         if not held:
             return
-        low_need = max(r.replicas for r in lows)
         peak = max(r.replicas for r in held)
         if peak - low_need < policy.burst_min_step or peak < policy.burst_ratio * max(low_need, 1):
             return
