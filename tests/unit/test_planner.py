@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -1310,6 +1311,21 @@ def test_heavier_prompts_at_unchanged_arrivals_are_not_a_burst() -> None:
         assert (onset.seen_s_ago == 0.0) is is_burst
 
 
+def _loads_sized_by_need(
+    rates: dict[int, float],
+) -> tuple[dict[int, LoadEstimate], Callable[[LoadEstimate], int]]:
+    """Loads keyed by the need each stands for (requests a second as given), and the
+    sizing that reads the need back (for driving the burst memory with needs
+    directly). The sizing looks loads up in the returned dict, so replacing one
+    there changes what it sizes."""
+    loads = {need: load_of(rate) for need, rate in rates.items()}
+
+    def size(load: LoadEstimate) -> int:
+        return next(need for need, at in loads.items() if at is load)
+
+    return loads, size
+
+
 def test_a_burst_that_fades_over_minutes_is_not_kept_one_that_ends_at_once_is() -> None:
     # Long context's load rose faster than pods start (a burst by the onset's rule),
     # stayed up for ten minutes and then came down over several: the memory held its
@@ -1318,11 +1334,7 @@ def test_a_burst_that_fades_over_minutes_is_not_kept_one_that_ends_at_once_is() 
     # demand that came down over longer than a start-up is followed by the usual
     # scale-down. The memory is driven with the needs directly, one per demand.
     horizon = 70.0
-    rates = {4: 20.0, 5: 50.0, 6: 60.0, 7: 70.0, 8: 100.0}
-    loads = {need: load_of(rate) for need, rate in rates.items()}
-
-    def size(load: LoadEstimate) -> int:
-        return next(need for need, at in loads.items() if at is load)
+    loads, size = _loads_sized_by_need({4: 20.0, 5: 50.0, 6: 60.0, 7: 70.0, 8: 100.0})
 
     def run(fall: list[int], memory: BurstMemory | None = None) -> list[BurstFloor]:
         memory = memory or BurstMemory(_burst_rules_policy())
@@ -1370,11 +1382,7 @@ def test_a_level_that_leaves_faster_than_a_startup_is_kept_like_a_burst() -> Non
     # that came down over minutes, or by fewer than ``burst_min_step`` replicas, is
     # the usual scale-down's. The memory is driven with the needs directly.
     horizon = 70.0
-    rates = {1: 5.0, 4: 20.0, 5: 50.0, 6: 60.0, 7: 70.0, 8: 100.0}
-    loads = {need: load_of(rate) for need, rate in rates.items()}
-
-    def size(load: LoadEstimate) -> int:
-        return next(need for need, at in loads.items() if at is load)
+    loads, size = _loads_sized_by_need({1: 5.0, 4: 20.0, 5: 50.0, 6: 60.0, 7: 70.0, 8: 100.0})
 
     def run(after: list[int], memory: BurstMemory | None = None) -> list[BurstFloor]:
         memory = memory or BurstMemory(_burst_rules_policy())
