@@ -282,7 +282,7 @@ class BurstMemory:
             prepared,
             kept.seen_s_ago,
             kept.faded_s_ago,
-            self._seen_leaving and kept.seen_s_ago is not None,
+            self._seen_leaving,
             tuple(self._recurrence.onsets()),
             recurring,
             self._floor_words(now, kept, value, prepared),

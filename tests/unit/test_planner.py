@@ -1296,8 +1296,8 @@ def test_heavier_prompts_at_unchanged_arrivals_are_not_a_burst() -> None:
     # are 1.5x longer at the same arrival rate, and the need jumps past the burst
     # ratio. That is the request mix, which the mix memory holds scale-down for, not
     # a source of arrivals switching on; 2.5x the arrivals is a burst.
-    uniform = _uniform_prompts_load
-    usual, heavier, more = uniform(60.0, 1000.0), uniform(60.0, 1500.0), uniform(150.0, 1000.0)
+    usual = _uniform_prompts_load(60.0, 1000.0)
+    heavier, more = _uniform_prompts_load(60.0, 1500.0), _uniform_prompts_load(150.0, 1000.0)
     low, jumped, horizon = 4, 8, 70.0
 
     def size(load: LoadEstimate) -> int:
@@ -1434,12 +1434,7 @@ def test_a_fleet_keeps_a_level_that_stopped_at_once_through_the_silence() -> Non
     d = planner.decide(inputs_for(silent, total, now=t), now=t)
     assert d.action == "hold" and "left faster than pod start-up" in d.reason
     # Without the burst memory the silence is scaled down to.
-    policy = PlannerPolicy(
-        initial_hold_s=0.0,
-        scale_down_stabilization_s=60.0,
-        scale_down_settle_s=0.0,
-        burst_memory_s=0.0,
-    )
+    policy = replace(_burst_rules_policy(), burst_memory_s=0.0)
     planner = Planner(policy)
     total, t = _run_steady(planner, level, needed_for(level, policy), 0.0, 300.0)
     total, t = _run_steady(planner, silent, total, t, t + 600.0)
