@@ -56,6 +56,7 @@ from stepscale_operator.simulator.report import (
     plot_timeline,
     replica_seconds,
     request_latencies,
+    scale_downs_undone,
     summarise,
 )
 from stepscale_operator.simulator.scenario import build_policy, ground_truth_sizing
@@ -273,6 +274,23 @@ def test_synthetic_shapes() -> None:
     first = np.count_nonzero(steps.arrival_s < 200)
     second = np.count_nonzero((steps.arrival_s >= 200) & (steps.arrival_s < 400))
     assert 1.7 < second / first < 2.3
+
+
+def test_a_scale_down_asked_back_within_the_window_counts_as_undone() -> None:
+    t = np.arange(0.0, 1000.0, 10.0)
+    total = np.full(t.size, 4.0)
+    total[t >= 100] = 3  # down at 100 ...
+    total[t >= 200] = 5  # ... asked back 100 s later: undone
+    total[t >= 400] = 4  # down at 400, up only at 600: a new need, not a flap
+    total[t >= 600] = 6
+    total[t >= 700] = 5  # down at 700, 710 (twice) then up at 800: both undone
+    total[t >= 710] = 4
+    total[t >= 800] = 7
+    total[t >= 900] = 6  # a last scale-down nothing followed
+    assert scale_downs_undone(t, total) == 3
+    assert scale_downs_undone(t, total, within_s=200.0) == 4
+    assert scale_downs_undone(t, np.full(t.size, 4.0)) == 0
+    assert scale_downs_undone(t[:1], total[:1]) == 0
 
 
 def test_report_attainment_counts_both_targets() -> None:

@@ -60,6 +60,9 @@ class RunSummary:
     mean_replicas: float
     max_replicas: int
     scale_events: int
+    # Scale-downs a scale-up followed within ``UNDONE_WITHIN_S``: the planner judged
+    # the survivors enough for a window, then asked for the capacity back (a flap).
+    scale_downs_undone: int
     unfinished: int
     steps: int
     fpm_messages: int
@@ -111,6 +114,29 @@ def replica_seconds(result: SimResult, start: float, end: float) -> float:
     return float((total[inside] * step[inside]).sum())
 
 
+# A scale-down claims the survivors carry the load for the stabilization window
+# (ours and HPA's default: 120 s); asked back within it, the claim did not hold.
+UNDONE_WITHIN_S = 120.0
+
+
+def scale_downs_undone(
+    t: npt.NDArray[np.float64], total: npt.NDArray[np.float64], within_s: float = UNDONE_WITHIN_S
+) -> int:
+    """Scale-downs of a replica timeline (``total`` at times ``t``) that a scale-up
+    followed within ``within_s`` seconds."""
+    if total.size < 2:
+        return 0
+    change = np.diff(total)
+    at = t[1:]
+    downs, ups = at[change < 0], at[change > 0]
+    if downs.size == 0 or ups.size == 0:
+        return 0
+    # The first scale-up after each scale-down, and whether it came soon enough.
+    nxt = np.searchsorted(ups, downs, side="right")
+    found = nxt < ups.size
+    return int(np.count_nonzero(ups[nxt[found]] - downs[found] <= within_s))
+
+
 def summarise(result: SimResult, slo: SloTargets, scenario: str, wall_s: float) -> RunSummary:
     """Attainment, percentiles and cost of one run."""
     lat = request_latencies(result)
@@ -118,6 +144,7 @@ def summarise(result: SimResult, slo: SloTargets, scenario: str, wall_s: float) 
     n = max(len(result.traffic), 1)
     total = np.asarray(result.timeline["total"], dtype=np.float64)
     changes = int(np.count_nonzero(np.diff(total))) if total.size > 1 else 0
+    t = np.asarray(result.timeline["t"], dtype=np.float64)
     return RunSummary(
         scenario=scenario,
         policy=result.policy,
@@ -133,6 +160,7 @@ def summarise(result: SimResult, slo: SloTargets, scenario: str, wall_s: float) 
         mean_replicas=float(total.mean()) if total.size else 0.0,
         max_replicas=int(total.max()) if total.size else 0,
         scale_events=changes,
+        scale_downs_undone=scale_downs_undone(t, total),
         unfinished=int(np.isnan(result.requests.finish_s).sum()),
         steps=result.steps,
         fpm_messages=result.fpm_messages,
@@ -141,7 +169,8 @@ def summarise(result: SimResult, slo: SloTargets, scenario: str, wall_s: float) 
 
 
 def format_table(rows: Sequence[RunSummary], oracle_gpu_hours: dict[str, float]) -> str:
-    """A plain-text comparison table; GPU-hours also relative to the scenario's oracle.
+    """A plain-text comparison table; GPU-hours also relative to the scenario's oracle,
+    scale events, and of them the scale-downs undone within ``UNDONE_WITHIN_S``.
 
     "x oracle" is "-" where the oracle did not run. The oracle is sized for 99%
     attainment, so a policy can cost less only by serving fewer requests within the
@@ -175,7 +204,8 @@ def format_table(rows: Sequence[RunSummary], oracle_gpu_hours: dict[str, float])
         lines.append(
             f"{r.scenario:<22} {r.policy:<13} {r.attainment:>7.2%} {r.ttft_attainment:>8.2%} "
             f"{r.itl_attainment:>7.2%} {r.ttft_p99_ms:>11.0f} {r.itl_p99_ms:>10.1f} "
-            f"{r.gpu_hours:>7.2f} {rel_text} {r.scale_events:>6d} {r.wall_s:>6.1f}"
+            f"{r.gpu_hours:>7.2f} {rel_text} {r.scale_events:>6d} "
+            f"{r.scale_downs_undone:>6d} {r.wall_s:>6.1f}"
         )
     return "\n".join(lines + notes)
 
