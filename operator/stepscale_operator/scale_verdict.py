@@ -102,13 +102,20 @@ class StabilizationWindow:
         oldest = self._history[-1].time - self.span_s
         return max(r.replicas for r in self._history if r.time >= oldest)
 
+    def judged_s(self, now: float) -> float:
+        """How long the planner has judged the load (0 before its first decision)."""
+        start = self.first_decision_time
+        return 0.0 if start is None else now - start
+
+    def initial_hold_s(self) -> float:
+        """How long the planner judges the load before any scale-down."""
+        return max(self.policy.scale_down_stabilization_s, self.policy.initial_hold_s)
+
     def covered(self, now: float) -> bool:
         """Whether the planner has judged the load for a whole window (and the initial hold)."""
-        start = self.first_decision_time
-        if start is None:
+        if self.first_decision_time is None:
             return False
-        policy = self.policy
-        return now - start >= max(policy.scale_down_stabilization_s, policy.initial_hold_s)
+        return self.judged_s(now) >= self.initial_hold_s()
 
 
 def scale_up(
@@ -231,6 +238,13 @@ def scale_down_or_hold(
             f"hold: {candidate} would do, but the fleet changed {unchanged_s:.0f}s ago; "
             f"the next step waits {settle_s:.0f}s for the load at this "
             "size to be measured"
+        )
+    elif candidate < total and stabilised < total:
+        # The window agrees; what holds is the planner's own first minutes.
+        why = (
+            f"hold: {candidate} would do, but the planner has judged the load for "
+            f"{window.judged_s(now):.0f}s; no scale-down before "
+            f"{window.initial_hold_s():.0f}s of it (how the load varies is not yet seen)"
         )
     elif candidate < total:
         why = (

@@ -550,6 +550,10 @@ def test_no_scale_down_before_the_initial_hold() -> None:
     for t in range(0, 300, 10):
         d = planner.decide(inputs_for(tiny, 8, now=float(t)), now=float(t))
         assert (d.action, d.desired_replicas) == ("hold", 8), t
+        # Once the 30 s window agrees, the reason names what holds: the first 300 s.
+        if t >= 40:
+            assert f"has judged the load for {t}s; no scale-down before 300s" in d.reason, t
+            assert "stabilization window" not in d.reason, t
     d = planner.decide(inputs_for(tiny, 8, now=300.0), now=300.0)
     assert d.action == "scale_down" and d.desired_replicas == 7
 
