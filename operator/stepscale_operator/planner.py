@@ -149,6 +149,7 @@ class Planner:
             )
             record["stabilised_recommendation"] = self._window.highest()
         record["predictions_load"] = verdict.basis
+        record["undoes_scale_down_s_ago"] = verdict.undoes_scale_down_s_ago
         reason = f"{verdict.reason}; {need.caveat}" if need.caveat else verdict.reason
         load = demand.measured if verdict.basis == "measured" else demand.planned
         return self._finish(

@@ -231,3 +231,6 @@ class Verdict:
     reason: str
     basis: str  # "planned" or "measured": the load the reported predictions use
     serving_after: int  # replicas that will serve at ``desired`` (stuck pods excluded)
+    # A scale-up within the stabilization window of the last scale-down undoes it:
+    # how long ago that scale-down was (None: not such a scale-up).
+    undoes_scale_down_s_ago: float | None = None

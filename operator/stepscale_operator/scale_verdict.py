@@ -61,6 +61,7 @@ class StabilizationWindow:
         self._keep_s = policy.scale_down_stabilization_s  # the longest span it may need
         self._history: list[_Recommendation] = []
         self.first_decision_time: float | None = None
+        self._last_down: float | None = None  # the last scale-down's time
         self._fleet: tuple[int, int] | None = None  # (ready, starting) last seen
         self._fleet_since = 0.0
 
@@ -88,6 +89,20 @@ class StabilizationWindow:
     def fleet_unchanged_s(self, now: float) -> float:
         """How long the fleet has been as it is now."""
         return now - self._fleet_since
+
+    def scaled_down(self, now: float) -> None:
+        """A scale-down now: one the window judged safe for its span."""
+        self._last_down = now
+
+    def undone_s_ago(self, now: float) -> float | None:
+        """A scale-up now undoes the last scale-down if it came within the window's
+        span: how long ago that was (None: it did not). The scale-down claimed the
+        survivors enough for the whole window; asked back sooner, the claim failed
+        (a flap), and the decision says so."""
+        down = self._last_down
+        if down is None or now - down > self.span_s:
+            return None
+        return now - down
 
     def remember(self, now: float, replicas: int) -> None:
         """One decision's recommendation; older ones than the window are dropped."""
@@ -136,6 +151,7 @@ def scale_up(
     # The surge limits growth; the spec's bounds always apply.
     desired = max(min(target, total + policy.max_surge, hi), lo)
     window.remember(now, desired)
+    undone_s = window.undone_s_ago(now) if desired > total else None
     if floors.needed + fleet.timed_out > total:
         head = "scale up" if desired > total else f"hold at maxReplicas {hi}"
         if floors.for_measured_miss:
@@ -161,7 +177,9 @@ def scale_up(
         why += f" ({need.reason})"
     if total < desired < target:
         why += f"; limited to {desired} by max surge/max replicas"
-    return Verdict(desired, why, "planned", desired - fleet.timed_out)
+    if undone_s is not None:
+        why += f"; this undoes the scale-down {undone_s:.0f}s ago"
+    return Verdict(desired, why, "planned", desired - fleet.timed_out, undone_s)
 
 
 def scale_down_pause_s(policy: PlannerPolicy, total: int) -> float:
@@ -218,6 +236,7 @@ def scale_down_or_hold(
     if candidate < total and window_covered and stabilised < total and settled:
         desired = max(stabilised, candidate, total - policy.scale_down_step, lo)
         n_after = desired - fleet.timed_out
+        window.scaled_down(now)
         why = (
             f"scale down {total} -> {desired}: the measured load split over {n_after} "
             f"replicas (now {fleet.ready} serving) is predicted within the SLO "

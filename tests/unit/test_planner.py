@@ -2245,3 +2245,35 @@ def test_the_lift_of_a_requests_first_passes_is_carried_to_other_counts_with_the
     # Without a measured deficit the lift is carried unchanged: more replicas help
     # only by the lower share.
     assert p99(0.0, 8) <= p99(0.0, 4)
+
+
+def test_a_scale_up_within_the_window_of_a_scale_down_says_it_undoes_it() -> None:
+    # A scale-down claims the survivors carry the load for the whole window; a
+    # scale-up before that ends is a flap, and the decision says so (status and
+    # events carry its reason).
+    policy = PlannerPolicy(initial_hold_s=0.0, scale_down_stabilization_s=60.0, burst_memory_s=0.0)
+    low, high = load_of(30.0), load_of(45.0)
+    assert needed_for(high, policy) > needed_for(low, policy)
+
+    def run(swing_after_s: float) -> list[Decision]:
+        planner = Planner(policy)
+        total = needed_for(high, policy)
+        ups: list[Decision] = []
+        down_at: float | None = None
+        for step in range(0, 60):
+            t = 5.0 * step
+            swing = down_at is not None and t == down_at + swing_after_s
+            d = planner.decide(inputs_for(high if swing else low, total, now=t), now=t)
+            if d.action == "scale_down" and down_at is None:
+                down_at = t
+            if d.action == "scale_up":
+                ups.append(d)
+            total = d.desired_replicas
+        return ups
+
+    (soon,) = run(15.0)
+    assert "this undoes the scale-down 15s ago" in soon.reason
+    assert soon.inputs["undoes_scale_down_s_ago"] == 15.0
+    # After the window the scale-down held; a later rise is a new need, not a flap.
+    (late,) = run(90.0)
+    assert "undoes" not in late.reason and late.inputs["undoes_scale_down_s_ago"] is None
