@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from stepscale_operator.controller.metrics import OperatorMetrics
 from stepscale_operator.controller.rounds import (
     EventGate,
     ScaleBackoff,
+    observe_decision,
     observe_metrics,
     scaling_event,
 )
@@ -54,6 +56,26 @@ def test_scale_backoff_doubles_reports_one_refusal_per_streak_and_ends_on_succes
     backoff.succeeded(key)
     assert backoff.waiting(key, 23.0) is None
     assert backoff.refused(key, 30.0, 1.0, "again") is True  # a new streak
+
+
+def test_decisions_are_counted_and_an_applied_scale_up_that_undoes_a_scale_down_is_a_flap() -> None:
+    metrics = OperatorMetrics()
+
+    def count(name: str, **labels: str) -> float:
+        value = metrics.registry.get_sample_value(name, {"deployment": DEPLOYMENT, **labels})
+        return value or 0.0
+
+    up = decision("scale_up", 2, 3, True)
+    flap = replace(up, inputs={"undoes_scale_down_s_ago": 15.0})
+    observe_decision(metrics, DEPLOYMENT, up, applied=True)  # a new need, no flap
+    observe_decision(metrics, DEPLOYMENT, flap, applied=True)
+    observe_decision(metrics, DEPLOYMENT, flap, applied=False)  # refused: nothing changed
+    observe_decision(metrics, DEPLOYMENT, decision("hold", 3, 3, False), applied=False)
+    decisions = "stepscale_scaling_decisions_total"
+    assert count(decisions, action="scale_up", applied="true") == 2.0
+    assert count(decisions, action="scale_up", applied="false") == 1.0
+    assert count(decisions, action="hold", applied="false") == 1.0
+    assert count("stepscale_scale_downs_undone_total") == 1.0
 
 
 def test_event_reasons() -> None:

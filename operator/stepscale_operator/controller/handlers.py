@@ -53,6 +53,7 @@ from stepscale_operator.controller.rounds import (
     EventGate,
     ScaleBackoff,
     ScalingEvent,
+    observe_decision,
     observe_metrics,
     scaling_event,
 )
@@ -561,9 +562,7 @@ def decision_round(
             event = None
         if event is not None:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-        state.metrics.counter("stepscale_scaling_decisions_total").labels(
-            label, decision.action, str(applied).lower()
-        ).inc()
+        observe_decision(state.metrics, label, decision, applied)
     new_status = round_status(
         result,
         now_wall=time.time(),

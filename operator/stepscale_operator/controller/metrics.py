@@ -97,6 +97,12 @@ METRICS: tuple[MetricSpec, ...] = (
         (*D, "action", "applied"),
     ),
     MetricSpec(
+        "stepscale_scale_downs_undone_total",
+        "counter",
+        "Applied scale-ups that undid the planner's last scale-down within its "
+        "stabilization window (flaps)",
+    ),
+    MetricSpec(
         "stepscale_decision_duration_seconds",
         "histogram",
         "Time of one decision round up to the decision: reading the child Deployment "

@@ -5,6 +5,8 @@
   from posting it again (advisory mode would otherwise post every interval).
 * :class:`ScaleBackoff`: after the API server refuses a replica count, wait
   longer and longer before trying again, and report one failure per streak;
+* :func:`observe_decision`: the decision counters (by action, and the scale-ups
+  that undid a scale-down);
 * :func:`observe_metrics`: the declared metrics of one deployment after a round.
   Counters advance by the increase of monotonic totals; a gauge whose value is
   gone (no prediction, no fitted coefficient) loses its series instead of
@@ -125,6 +127,20 @@ class ScaleBackoff:
         self.refusals.pop(key, None)
 
     forget = succeeded
+
+
+def observe_decision(
+    metrics: OperatorMetrics, deployment: str, decision: Decision, applied: bool
+) -> None:
+    """Count one decision by action and whether it was applied; an applied
+    scale-up that undid the planner's last scale-down (its window had not passed)
+    is also a flap."""
+    metrics.counter("stepscale_scaling_decisions_total").labels(
+        deployment, decision.action, str(applied).lower()
+    ).inc()
+    undone = decision.inputs.get("undoes_scale_down_s_ago")
+    if applied and decision.action == "scale_up" and undone is not None:
+        metrics.counter("stepscale_scale_downs_undone_total").labels(deployment).inc()
 
 
 def observe_metrics(
