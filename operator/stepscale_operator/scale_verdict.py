@@ -94,12 +94,13 @@ class StabilizationWindow:
         """A scale-down now: one the window judged safe for its span."""
         self._last_down = now
 
-    def undone_s_ago(self, now: float) -> float | None:
-        """A scale-up now undoes the last scale-down if it came within the window's
-        span: how long ago that was (None: it did not). The scale-down claimed the
+    def scaled_up(self, now: float) -> float | None:
+        """A scale-up now. Within the window's span of the last scale-down it undoes
+        that one: how long ago it was (None: it did not). The scale-down claimed the
         survivors enough for the whole window; asked back sooner, the claim failed
-        (a flap), and the decision says so."""
-        down = self._last_down
+        (a flap), and the decision says so. Each scale-down is undone at most once:
+        the scale-ups after the first follow a scale-up."""
+        down, self._last_down = self._last_down, None
         if down is None or now - down > self.span_s:
             return None
         return now - down
@@ -151,7 +152,7 @@ def scale_up(
     # The surge limits growth; the spec's bounds always apply.
     desired = max(min(target, total + policy.max_surge, hi), lo)
     window.remember(now, desired)
-    undone_s = window.undone_s_ago(now) if desired > total else None
+    undone_s = window.scaled_up(now) if desired > total else None
     if floors.needed + fleet.timed_out > total:
         head = "scale up" if desired > total else f"hold at maxReplicas {hi}"
         if floors.for_measured_miss:

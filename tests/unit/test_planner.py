@@ -45,6 +45,7 @@ from stepscale_operator.planner import (
 )
 from stepscale_operator.planner_stages import BurstFloor, Decision, Demand
 from stepscale_operator.router_pick import least_loaded_queue, prefill_exposure
+from stepscale_operator.scale_verdict import StabilizationWindow
 
 FLOOR_S = 0.006
 PER_PREFILL_TOKEN_S = 30e-6
@@ -371,7 +372,6 @@ def test_while_pods_start_the_window_spans_a_start_up_so_scale_down_never_undoes
 
 def test_a_pod_stuck_starting_does_not_hold_the_window_open() -> None:
     from stepscale_operator.planner_stages import FleetNow
-    from stepscale_operator.scale_verdict import StabilizationWindow
 
     window = StabilizationWindow(PlannerPolicy(scale_down_stabilization_s=100.0))
     window.observe_fleet(0.0, FleetNow(5, 1, 0, 1, 10), pod_startup_s=240.0)
@@ -2277,3 +2277,8 @@ def test_a_scale_up_within_the_window_of_a_scale_down_says_it_undoes_it() -> Non
     # After the window the scale-down held; a later rise is a new need, not a flap.
     (late,) = run(90.0)
     assert "undoes" not in late.reason and late.inputs["undoes_scale_down_s_ago"] is None
+    # A flap answered by two scale-ups (silence-burst: 4 -> 3, then 3 -> 4 -> 5) is
+    # one undone scale-down: the second scale-up follows a scale-up.
+    window = StabilizationWindow(policy)
+    window.scaled_down(100.0)
+    assert window.scaled_up(115.0) == 15.0 and window.scaled_up(125.0) is None
