@@ -123,15 +123,16 @@ class StabilizationWindow:
         start = self.first_decision_time
         return 0.0 if start is None else now - start
 
-    def initial_hold_s(self) -> float:
-        """How long the planner judges the load before any scale-down."""
+    def first_scale_down_after_s(self) -> float:
+        """How long the planner judges the load before its first scale-down: the
+        initial hold, and a whole stabilization window at least."""
         return max(self.policy.scale_down_stabilization_s, self.policy.initial_hold_s)
 
     def covered(self, now: float) -> bool:
         """Whether the planner has judged the load for a whole window (and the initial hold)."""
         if self.first_decision_time is None:
             return False
-        return self.judged_s(now) >= self.initial_hold_s()
+        return self.judged_s(now) >= self.first_scale_down_after_s()
 
 
 def scale_up(
@@ -264,7 +265,7 @@ def scale_down_or_hold(
         why = (
             f"hold: {candidate} would do, but the planner has judged the load for "
             f"{window.judged_s(now):.0f}s; no scale-down before "
-            f"{window.initial_hold_s():.0f}s of it (how the load varies is not yet seen)"
+            f"{window.first_scale_down_after_s():.0f}s of it (how the load varies is not yet seen)"
         )
     elif candidate < total:
         why = (
