@@ -45,7 +45,7 @@ from stepscale_operator.capacity_need import (  # noqa: E402
     smallest_within_reach,
 )
 from stepscale_operator.load_types import LoadEstimate  # noqa: E402
-from stepscale_operator.planner import Decision, Planner, PlannerInputs  # noqa: E402
+from stepscale_operator.planner import Decision, Planner, PlannerInputs, PlannerPolicy  # noqa: E402
 from stepscale_operator.simulator.fleet import Fleet  # noqa: E402
 from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B  # noqa: E402
 from stepscale_operator.simulator.policies import PlannerDrivenPolicy  # noqa: E402
@@ -96,7 +96,7 @@ class Swing:
 def need_of(inputs: PlannerInputs, load: LoadEstimate) -> int:
     """The fewest replicas whose predicted latency for ``load`` meets the SLO less
     the planning margin (no look-ahead, no floors, no history)."""
-    policy = Planner().policy
+    policy = PlannerPolicy()
     margin = planning_margin(policy, inputs.model_mape)
     predict = latency_predictions(inputs, policy)
     needed, _, _ = smallest_within_reach(
