@@ -69,7 +69,8 @@ class CapturingPlanner(Planner):
         self.captured: list[tuple[PlannerInputs, LoadEstimate]] = []
 
     def decide(self, inputs: PlannerInputs, now: float) -> Decision:
-        """Decide as always; keep the inputs of a judged load within the span."""
+        """Decide as always; within the span, keep the inputs that carry a load
+        estimate and a ready cost model."""
         if self.start <= now <= self.end and inputs.load is not None and inputs.model_ready:
             self.captured.append((inputs, inputs.load))
         return super().decide(inputs, now)
