@@ -223,7 +223,13 @@ class ResidualGate:
         weight = np.minimum(
             1.0, np.where(trusted, knee, knee_untrusted) / np.maximum(abs_rel, 1e-300)
         )
-        rejected = np.where(trusted, excess > gate, excess > gate_untrusted) & ~uncovered
+        # A bucket the gate has rejected most of its own recent passes in (half-life
+        # ``misfit_half_life`` of them) is the model being wrong there, whatever the
+        # size: a stall run of a few hundred passes falls on every regime running and
+        # cannot push one bucket's rate past half, while chunks over a cached prefix
+        # 4-8x their extrapolation were rejected for as long as they came.
+        misfit = self._reject_rate[buckets] >= 0.5
+        rejected = np.where(trusted, excess > gate, excess > gate_untrusted) & ~uncovered & ~misfit
         weight[rejected] = 0.0
         self._track_reject_rate(buckets, rejected)
         return weight
