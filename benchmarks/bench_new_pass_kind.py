@@ -8,8 +8,8 @@ learn it) from a stalled one (the machine was slow, don't), and it can tell only
 by where the pass falls: a coverage bucket the fit has data in is gated narrowly,
 a bucket it has not seen widely.
 
-The stream (synthetic, the unit tests' linear truth with 5% log-normal noise):
-``--warm`` passes of the usual mix with no cached prefix, then every fifth pass a
+The stream (synthetic: the simulator's H100 / Llama-8B step times, with its 3%
+log-normal noise): ``--warm`` passes of the usual mix with no cached prefix, then every fifth pass a
 single 64-2,048-token chunk over a ``--context``-token cached prefix, taking
 ``factor`` times what the fit predicted for it at the switch. Passes arrive in
 subscriber batches of ``--batch``; each is predicted before it is learned. Per
@@ -33,37 +33,31 @@ from pathlib import Path
 
 import numpy as np
 
-from stepscale_operator.cost_model import COEFFICIENT_NAMES, CostModel, regressor_matrix, roofline
+from stepscale_operator.cost_model import CostModel
+from stepscale_operator.simulator.ground_truth import H100_LLAMA_8B
 
 REPO = Path(__file__).resolve().parents[1]
-# The unit tests' linear truth (tests/unit/test_cost_model.py): a roofline with no
-# memory side, as on a CPU engine.
-TRUE = {
-    "intercept": 4e-3,
-    "prefill_requests": 5e-4,
-    "decode_requests": 8e-5,
-    "compute.tokens": 2e-5,
-    "compute.prefill_attention": 3e-9,
-    "compute.decode_kv_tokens": 2e-7,
-}
-TRUE_VEC = np.array([TRUE.get(name, 0.0) for name in COEFFICIENT_NAMES])
 GROUP = 20  # new-kind passes per reported group
 LEARNED = 0.15  # a group's median |error| within this: learned
 
 
+def step_times(rows: np.ndarray) -> np.ndarray:
+    """Noise-free pass times of the simulator's H100 / Llama-8B profile (a roofline)."""
+    return np.array([H100_LLAMA_8B.mean_time(r[1], r[3], r[0], r[4], r[5]) for r in rows])
+
+
 def usual_passes(rng: np.random.Generator, n: int) -> np.ndarray:
-    """(n, 7) compositions of the usual mix: prefill-only, decode-only and mixed
-    passes, no cached prefix."""
+    """(n, 7) compositions of the usual mix with no cached prefix: decode batches of
+    1-256 at 64-8,192 tokens of context, prefill chunks of 16-2,048 tokens for 1-3
+    requests, alone or beside decodes."""
     rows = np.zeros((n, 7))
-    has_p = rng.random(n) < 0.6
-    has_d = (rng.random(n) < 0.7) | ~has_p
-    n_pre = np.where(has_p, rng.integers(1, 4, n), 0)
-    for i in np.flatnonzero(has_p):
-        lens = rng.integers(16, 2048, n_pre[i])
-        rows[i, 0], rows[i, 1], rows[i, 2] = n_pre[i], lens.sum(), lens.var()
-    n_dec = np.where(has_d, rng.integers(1, 256, n), 0)
-    rows[:, 4] = n_dec
-    rows[:, 5] = n_dec * rng.integers(64, 4096, n)
+    kind = rng.random(n)
+    has_p, has_d = kind >= 0.5, kind < 0.85
+    rows[:, 0] = np.where(has_p, rng.integers(1, 4, n), 0)
+    rows[:, 1] = np.where(has_p, np.exp(rng.uniform(np.log(16), np.log(2048), n)).round(), 0.0)
+    decodes = np.where(has_d, np.exp(rng.uniform(0.0, np.log(256), n)).round(), 0.0)
+    rows[:, 4] = decodes
+    rows[:, 5] = decodes * np.exp(rng.uniform(np.log(64), np.log(8192), n)).round()
     return rows
 
 
@@ -93,7 +87,7 @@ def learning_curve(factor: float, args: argparse.Namespace, **model_kw: float) -
     noise = np.exp(rng.normal(0.0, args.noise, args.warm))
     for lo in range(0, args.warm, args.batch):
         part = slice(lo, lo + args.batch)
-        times = roofline(regressor_matrix(warm[part]), TRUE_VEC) * noise[part]
+        times = step_times(warm[part]) * noise[part]
         model.update_batch(warm[part], times, [("w", 0)] * times.shape[0])
     at_switch = copy.deepcopy(model)  # frozen: later learning must not move the truth
     errors: list[float] = []
@@ -101,7 +95,7 @@ def learning_curve(factor: float, args: argparse.Namespace, **model_kw: float) -
         rows = usual_passes(rng, args.batch)
         new = np.arange(0, args.batch, 5)
         rows[new] = new_kind_passes(rng, new.size, args.context)
-        times = roofline(regressor_matrix(rows), TRUE_VEC)
+        times = step_times(rows)
         # The new kind costs ``factor`` times what the fit made of it at the switch.
         times[new] = factor * at_switch.predict_many(rows[new], recent_offsets=False)
         times *= np.exp(rng.normal(0.0, args.noise, args.batch))
@@ -123,7 +117,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=2000, help="new-kind passes per factor")
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--context", type=float, default=60_000.0)
-    parser.add_argument("--noise", type=float, default=0.05)
+    parser.add_argument("--noise", type=float, default=H100_LLAMA_8B.noise_sigma)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args()

@@ -304,7 +304,7 @@ def bucket_ids(sched: FloatArray) -> npt.NDArray[np.int64]:
     The cached prefix counts because attention over it is a cost of its own: chunks
     over a 60k-token prefix, after 6,000 passes without one, fell in the buckets of
     the prompts before them, where the stall gate is narrow, and were rejected as
-    stalls until they had pushed those buckets' rejection rate past half: 800 of
+    stalls until they had pushed those buckets' rejection rate past half: 1,080 of
     them at 1.5x their extrapolation (``benchmarks/bench_new_pass_kind.py``). In a
     bucket of their own they are an unlearned regime, gated as one: 20.
     """
