@@ -30,13 +30,16 @@ run shorter than half the window cannot move much. A pass more than ``reject_k``
 scales *slower* than the centre is rejected (stalls only ever slow a pass; a pass
 faster than predicted is not an outlier, the fit is simply too high). Accepted
 passes get Huber weights on their relative residual about the centre, which bounds
-any pass's pull on the fit. A bucket with little data, or whose passes the gate
-has been rejecting most of the time for long (``misfit_half_life``: that is the
-model being wrong there, not stalls), gets a 3x wider gate and knee, and at least
-``unlearned_factor`` (3x slower than predicted) whatever the noise, so an unlearned
-regime is not mistaken for a stall. A persistently slower engine moves the centre; while
-the median of the newest ``drift_window`` residuals is off by more than
-``drift_floor`` (3%: the bias the model tolerates) the model is *drifting*
+any pass's pull on the fit. A bucket with little data gets a 3x wider gate and
+knee, and at least ``unlearned_factor`` (3x slower than predicted) whatever the
+noise, so an unlearned regime is not mistaken for a stall. A bucket whose passes
+the gate has been rejecting most of the time for long (over half, with a memory of
+``misfit_half_life`` of its own passes) is the model being wrong there, not
+stalls: nothing in it is rejected, whatever the size (a kind of pass 4-30x its
+extrapolation is learned so, in 1,300-1,940 of them). A persistently slower
+engine moves the centre; while the median of the newest ``drift_window``
+residuals is off by more than ``drift_floor`` (3%: the bias the model tolerates)
+the model is *drifting*
 and forgets at ``drift_half_life_passes`` without coverage floors, so it follows
 the change in a few thousand passes whatever the half-life. The same test per
 regime (:mod:`.regime_residuals`) catches a fit that is off in the rare prefill
@@ -190,8 +193,9 @@ class ResidualGate:
         residuals: a stall run shorter than half the window cannot open it, while a
         persistently slower engine moves the median and is learned. A pass that is
         faster than predicted is never rejected (the fit is too high; let it learn).
-        Buckets with little data, or that the gate keeps rejecting, get a wider gate,
-        so a regime the model has not learned yet is not mistaken for a stall; passes
+        Buckets with little data get a wider gate, so a regime the model has not
+        learned yet is not mistaken for a stall, and buckets it keeps rejecting none
+        (the model is wrong there); passes
         of a regime with fewer than ``min_regime_samples`` learned (``uncovered``) are
         never gated: the model cannot know their cost yet (after a long decode-only
         stretch, a prefill pass can be 10x slower than predicted and still be right).
@@ -227,7 +231,7 @@ class ResidualGate:
         # ``misfit_half_life`` of them) is the model being wrong there, whatever the
         # size: a stall run of a few hundred passes falls on every regime running and
         # cannot push one bucket's rate past half, while chunks over a cached prefix
-        # 4-8x their extrapolation were rejected for as long as they came.
+        # 4x or more their extrapolation were rejected for as long as they came.
         misfit = self._reject_rate[buckets] >= 0.5
         rejected = np.where(trusted, excess > gate, excess > gate_untrusted) & ~uncovered & ~misfit
         weight[rejected] = 0.0
