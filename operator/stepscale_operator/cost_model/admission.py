@@ -39,9 +39,9 @@ stalls: nothing in it is rejected, whatever the size (a kind of pass 4-30x its
 extrapolation is learned so, in 1,300-1,940 of them). A persistently slower
 engine moves the centre; while the median of the newest ``drift_window``
 residuals is off by more than ``drift_floor`` (3%: the bias the model tolerates)
-the model is *drifting*
-and forgets at ``drift_half_life_passes`` without coverage floors, so it follows
-the change in a few thousand passes whatever the half-life. The same test per
+the model is *drifting* and forgets at ``drift_half_life_passes`` without
+coverage floors, so it follows the change in a few thousand passes whatever the
+half-life. The same test per
 regime (:mod:`.regime_residuals`) catches a fit that is off in the rare prefill
 regime alone, which the median of all residuals cannot see.
 """
