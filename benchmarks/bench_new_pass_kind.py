@@ -14,10 +14,10 @@ single 64-2,048-token chunk over a ``--context``-token cached prefix, taking
 ``factor`` times what the fit predicted for it at the switch. Passes arrive in
 subscriber batches of ``--batch``; each is predicted before it is learned. Per
 factor the table gives how many of them it took until a group of 20 is predicted
-within 15% (median), for the cost model as it is and with its stall gate off (the
-limit: nothing rejected, but every stall run learned too), and the model's median
-error at a few points. Stall runs are 10-30x, so a kind that far off may stay
-unlearned for a while by design.
+within 15% (median), for the cost model as it is and with its stall gate off
+(nothing rejected, so every stall run would be learned too; a comparison, not a
+bound), and the model's median error at a few points. Stall runs are 10-30x, so
+a kind that far off may stay unlearned for a while by design.
 
     PYTHONPATH=engine_plugin:operator .venv/bin/python benchmarks/bench_new_pass_kind.py
 
@@ -70,8 +70,9 @@ def new_kind_passes(rng: np.random.Generator, n: int, context: float) -> np.ndar
     return rows
 
 
-# The gate off: no pass is ever rejected as a stall (the limit of learning speed,
-# and what would learn every stall run too).
+# The gate off: no pass is ever rejected as a stall, and an unlearned bucket takes
+# every pass at full weight (what would learn every stall run too). No bound on
+# learning speed: far off, full-weight passes pull the fit to a compromise.
 UNGATED = {"reject_k": 1e9, "unlearned_factor": 1e9}
 # Where the table shows a group's median error: the first group, then after these
 # many new-kind passes.
@@ -132,12 +133,12 @@ def main() -> None:
     shown = [at for at in SHOWN_AT if at < args.new]
     heads = " ".join(f"{'err@' + str(at):>8}" for at in shown)
     print(f"{'factor':>7} {'learned after':>14} {'no gate':>8} {heads}")
-    for ours, limit in zip(gated, ungated, strict=True):
+    for ours, gate_off in zip(gated, ungated, strict=True):
         groups: list[float] = ours["group_median_abs_error"]  # type: ignore[assignment]
         errs = " ".join(f"{groups[at // GROUP]:8.0%}" for at in shown)
         print(
             f"{ours['factor']:7.1f} {_count(ours['passes_to_learn']):>14} "
-            f"{_count(limit['passes_to_learn']):>8} {errs}"
+            f"{_count(gate_off['passes_to_learn']):>8} {errs}"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
