@@ -25,7 +25,12 @@ bench = benchmark_module("bench_new_pass_kind")
 
 def _stream(new_passes: int) -> argparse.Namespace:
     return argparse.Namespace(
-        warm=6000, new=new_passes, batch=100, context=60_000.0, noise=0.03, seed=0
+        warm=6000,
+        new=new_passes,
+        batch=100,
+        context=60_000.0,
+        noise=bench.H100_LLAMA_8B.noise_sigma,  # the benchmark's default
+        seed=0,
     )
 
 
