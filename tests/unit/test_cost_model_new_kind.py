@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import pytest
 
 from stepscale_operator.cost_model import bucket_ids, regressor_matrix, roofline
 from tests.conftest import benchmark_module
@@ -62,27 +63,37 @@ def test_chunks_a_few_times_their_extrapolation_are_learned_within_a_few_hundred
         assert np.median(row["group_median_abs_error"][-5:]) < 0.15, (factor, row)
 
 
-def test_chunks_far_off_their_extrapolation_are_learned_once_their_bucket_keeps_rejecting() -> None:
+def test_chunks_far_off_their_extrapolation_are_learned_once_rejected_beside_passes_on_time() -> (
+    None
+):
+    """At 8x, by the persistence of their buckets' rejections alone they were
+    learned after 1,640 of them; with the contrast (the same stream's other passes
+    were let in meanwhile: not a stall) after 780."""
     row = bench.learning_curve(8.0, _stream(2000))
     groups = row["group_median_abs_error"]
     assert groups[0] > 0.8  # predicted at an eighth: the test starts where it should
-    assert row["passes_to_learn"] is not None, row
+    learned = row["passes_to_learn"]
+    assert learned is not None and learned <= 1000, row
     assert np.median(groups[-5:]) < 0.15, row
 
 
-def test_a_stall_run_on_one_kind_of_pass_is_still_rejected() -> None:
+@pytest.mark.parametrize("batch", [1, 16])
+def test_a_stall_run_on_one_kind_of_pass_is_still_rejected(batch: int) -> None:
     """A pod stalled while it decodes steadily sends one kind of pass, stalled,
     for the whole run; 400 of them (the longest runs seen on a shared CPU are
     ~110) must not be learned as that kind's cost: its bucket's rejection rate
-    stays under half (1 - 2^(-400/500) = 0.43)."""
+    stays under half (1 - 2^(-400/500) = 0.43), and its contrast ends with the
+    other kinds' passes (at most its first ~16 passes have one: 0.2 of 50). Taken
+    one pass at a time (as a quiet subscriber hands them in) and in batches."""
     rng = np.random.default_rng(3)
     model = trained(rng, n=10_000)
     steady = np.repeat(_pass(0, 0, 64, 1024), 400, axis=0)
     truth = roofline(regressor_matrix(steady[:1]), TRUE_VEC)[0]
     rejected_before = model.outliers_rejected
     stalled = truth * rng.uniform(10.0, 30.0, steady.shape[0])
-    for lo in range(0, steady.shape[0], 16):
-        model.update_batch(steady[lo : lo + 16], stalled[lo : lo + 16], [("w", 0)] * 16)
+    for lo in range(0, steady.shape[0], batch):
+        part = slice(lo, lo + batch)
+        model.update_batch(steady[part], stalled[part], [("w", 0)] * stalled[part].shape[0])
     assert model.outliers_rejected - rejected_before >= 390
     # The fit is untouched. (The recent offsets follow the slow machine meanwhile,
     # clipped at 1.2x each for the machine and the regime: that is their job.)

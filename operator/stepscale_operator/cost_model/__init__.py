@@ -7,6 +7,7 @@ deployment, pooled over its pods and ranks. One module per job:
 * :mod:`.regression`: weighted normal equations per coverage bucket with forgetting,
   the NNLS solve;
 * :mod:`.admission`: warm-up, plausibility, stream quarantine, the stall gate;
+* :mod:`.misfit`: the buckets whose rejections are the model being wrong, not stalls;
 * :mod:`.regime_residuals`: recent residuals per regime; a regime the fit is off in
   forgets fast;
 * :mod:`.quality`: prequential quality (every pass predicted before it is learned);

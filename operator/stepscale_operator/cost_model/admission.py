@@ -32,11 +32,11 @@ faster than predicted is not an outlier, the fit is simply too high). Accepted
 passes get Huber weights on their relative residual about the centre, which bounds
 any pass's pull on the fit. A bucket with little data gets a 3x wider gate and
 knee, and at least ``unlearned_factor`` (3x slower than predicted) whatever the
-noise, so an unlearned regime is not mistaken for a stall. A bucket whose passes
-the gate has been rejecting most of the time for long (over half, with a memory of
-``misfit_half_life`` of its own passes) is the model being wrong there, not
-stalls: nothing in it is rejected, whatever the size (a kind of pass 4-30x its
-extrapolation is learned so, in 1,300-1,940 of them). A persistently slower
+noise, so an unlearned regime is not mistaken for a stall. A bucket the model
+is wrong in (:mod:`.misfit`: the gate keeps rejecting its passes, or rejects them
+while the same stream's other passes are on time) gets none rejected, whatever the
+size (a kind of pass 4-30x its extrapolation is learned so, in 380-960 of them).
+A persistently slower
 engine moves the centre; while the median of the newest ``drift_window``
 residuals is off by more than ``drift_floor`` (3%: the bias the model tolerates)
 the model is *drifting* and forgets at ``drift_half_life_passes`` without
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from stepscale_operator.cost_model.features import N_BUCKETS, FloatArray
+from stepscale_operator.cost_model.features import FloatArray
 from stepscale_operator.load_types import implausible_passes, over_budget, tally_implausible
 from stepscale_operator.stream_state import StreamKey, stream_label
 
@@ -100,7 +100,6 @@ class ResidualGate:
         huber_k: float,
         reject_k: float,
         bucket_trust: float,
-        misfit_half_life: float,
         drift_k: float,
         drift_floor: float,
         drift_window: int = 500,
@@ -115,9 +114,6 @@ class ResidualGate:
         self.drift_k = float(drift_k)
         self.drift_floor = float(drift_floor)
         self.drift_window = max(1, min(int(drift_window), self.window))
-        self._misfit_decay = 2.0 ** (-1.0 / float(misfit_half_life))
-        # Per bucket, the exponentially weighted fraction of its passes the gate rejected.
-        self._reject_rate = np.zeros(N_BUCKETS + 1)
         self._ring = np.zeros(self.window)
         self.length = 0
         self._pos = 0
@@ -136,13 +132,11 @@ class ResidualGate:
             self.huber_k,
             self.reject_k,
             self.bucket_trust,
-            1.0,
             self.drift_k,
             self.drift_floor,
             self.drift_window,
             self.unlearned_factor,
         )
-        gate._misfit_decay = self._misfit_decay
         return gate
 
     @property
@@ -184,8 +178,10 @@ class ResidualGate:
         buckets: npt.NDArray[np.int64],
         uncovered: npt.NDArray[np.bool_],
         bucket_counts: FloatArray,
-    ) -> FloatArray:
+        misfit: npt.NDArray[np.bool_],
+    ) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
         """Huber weights about the residual centre; passes far on the slow side get 0.
+        Also returns which passes it rejected.
 
         Stalls (the OS or a neighbour took the CPU) only ever make a pass slower, by
         up to 30x, and come in runs of hundreds of passes. So the gate is one-sided
@@ -203,13 +199,12 @@ class ResidualGate:
         scale = self.scale
         n = log_res.shape[0]
         if not math.isfinite(scale):
-            return np.ones(n)
+            return np.ones(n), np.zeros(n, dtype=bool)
         r = np.nan_to_num(log_res, nan=0.0)
         excess = r - self.center
-        # A bucket is trusted once it holds data and the gate has not been rejecting
-        # most of its passes for long: that is the model being wrong there, not stalls
-        # (a stall run is a few hundred passes; the rejection rate has a longer memory).
-        trusted = (bucket_counts[buckets] >= self.bucket_trust) & (self._reject_rate[buckets] < 0.5)
+        # A bucket is trusted once it holds data and is not misfit (the model is
+        # wrong there: :mod:`.misfit`).
+        trusted = (bucket_counts[buckets] >= self.bucket_trust) & ~misfit
         # Huber on the relative residual (what the weighted least squares sees, so a
         # pass's pull is bounded by the knee whatever its size), taken about the
         # centre: after an engine change every pass is off, and all must count fully.
@@ -227,31 +222,13 @@ class ResidualGate:
         weight = np.minimum(
             1.0, np.where(trusted, knee, knee_untrusted) / np.maximum(abs_rel, 1e-300)
         )
-        # A bucket the gate has rejected most of its own recent passes in (half-life
-        # ``misfit_half_life`` of them) is the model being wrong there, whatever the
-        # size: a stall run of a few hundred passes falls on every regime running and
-        # cannot push one bucket's rate past half, while chunks over a cached prefix
-        # 4x or more their extrapolation were rejected for as long as they came.
-        misfit = self._reject_rate[buckets] >= 0.5
-        rejected = np.where(trusted, excess > gate, excess > gate_untrusted) & ~uncovered & ~misfit
+        # In a misfit bucket nothing is rejected, whatever the size: the model is
+        # wrong there (chunks over a cached prefix 4x or more their extrapolation
+        # were rejected for as long as they came).
+        beyond = np.where(trusted, excess > gate, excess > gate_untrusted) & ~uncovered
+        rejected = beyond & ~misfit
         weight[rejected] = 0.0
-        self._track_reject_rate(buckets, rejected)
-        return weight
-
-    def _track_reject_rate(
-        self, buckets: npt.NDArray[np.int64], rejected: npt.NDArray[np.bool_]
-    ) -> None:
-        """Per-bucket exponentially weighted rejection rate (chunk-level approximation).
-
-        O(chunk), not O(buckets): only the buckets present are touched.
-        """
-        if buckets.shape[0] == 0:
-            return
-        hit, inverse, counts = np.unique(buckets, return_inverse=True, return_counts=True)
-        n = counts.astype(np.float64)
-        k = np.bincount(inverse, weights=rejected.astype(np.float64), minlength=hit.shape[0])
-        keep = self._misfit_decay**n
-        self._reject_rate[hit] = self._reject_rate[hit] * keep + (1.0 - keep) * k / n
+        return weight, rejected
 
     def push(self, log_res: FloatArray) -> None:
         for chunk_start in range(0, log_res.shape[0], self.window):
@@ -292,6 +269,10 @@ class StreamRecord:
     sum_abs_rel: float = 0.0
     sum_log: float = 0.0  # and of log residuals (what consistency is judged on)
     budget: float = 0.0  # largest prefill tokens + decode requests of a learned pass
+    # Exponentially weighted counts of its recent gated passes and of those the gate
+    # rejected (short memory: :class:`~stepscale_operator.cost_model.misfit.MisfitBuckets`).
+    recent_passes: float = 0.0
+    recent_rejected: float = 0.0
     quarantined: bool = False
     quarantines: int = 0  # times it was quarantined
     judged: bool = False  # has had enough predicted passes to be compared with the others

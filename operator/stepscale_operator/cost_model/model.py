@@ -5,7 +5,8 @@ A pass goes through, top to bottom (:meth:`CostModel._learn_rows`):
 1. features (:mod:`.features`) and the prediction made before learning it;
 2. admission (:mod:`.admission`): warm-up (the stream table's pass counts),
    plausibility, quarantine of a stream that disagrees with the others, the
-   one-sided stall gate and Huber weights;
+   one-sided stall gate and Huber weights, but no rejection in a bucket the model
+   is wrong in (:mod:`.misfit`);
 3. the row as least squares on ``log(time)``, linearised at the prediction
    (:meth:`CostModel._working_rows`): unbiased for the median step time;
 4. the regression (:mod:`.regression`): sufficient statistics per coverage bucket,
@@ -51,6 +52,7 @@ from stepscale_operator.cost_model.features import (
     roofline,
     sched_matrix,
 )
+from stepscale_operator.cost_model.misfit import MisfitBuckets
 from stepscale_operator.cost_model.quality import ModelQuality, PrequentialWindow
 from stepscale_operator.cost_model.recent_offsets import RecentOffsets
 from stepscale_operator.cost_model.regime_residuals import RegimeResiduals, regime_cells
@@ -140,11 +142,11 @@ class CostModel:
             huber_k,
             reject_k,
             bucket_trust,
-            misfit_half_life,
             drift_k,
             drift_floor,
             unlearned_factor=unlearned_factor,
         )
+        self.misfit = MisfitBuckets(misfit_half_life)
         self.plausibility = Plausibility(budget_factor, budget_floor, fast_factor)
         self.ledger = StreamLedger(
             max_streams, stream_half_life_passes, quarantine_factor, release_factor
@@ -317,13 +319,17 @@ class CostModel:
         if gate.active:
             # Robust from the first residual scale on, not only once ready: early
             # stalls would otherwise stay in the rarely visited (prefill) buckets.
-            weight[learn] = gate.weights(
+            gated = buckets[learn]
+            misfit = self.misfit.misfit(gated)
+            weight[learn], rejected = gate.weights(
                 rel[learn],
                 log_res[learn],
-                buckets[learn],
+                gated,
                 self._uncovered(sched[learn]),
                 reg.count,
+                misfit,
             )
+            self.misfit.observe(gated, rejected, slot[learn], records)
         else:
             weight[learn] = 1.0
         accepted = weight > 0
@@ -390,6 +396,7 @@ class CostModel:
             old.ridge,
         )
         self.gate = self.gate.emptied()
+        self.misfit = self.misfit.emptied()
         self.regime_residuals = self.regime_residuals.emptied()
         self.offsets = self.offsets.emptied()
         self.samples = 0

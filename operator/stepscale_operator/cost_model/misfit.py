@@ -1,0 +1,163 @@
+"""Misfit buckets: where the stall gate's rejections are the model being wrong.
+
+The stall gate (:class:`~stepscale_operator.cost_model.admission.ResidualGate`)
+rejects passes far slower than predicted, because stalls (the OS or a neighbour
+took the machine) slow a pass 10-30x. A kind of pass the fit extrapolates badly
+(chunks over a long cached prefix, say, 4-30x their extrapolation) looks the same
+pass by pass. Two tells separate them, per coverage bucket:
+
+* **persistence**: the share of the bucket's passes the gate rejected, with a memory
+  of ``half_life`` (500) of its own passes. A stall run is a few hundred passes and
+  falls on every kind running, so it cannot push one bucket past half. Slow: at
+  4-30x a kind waited 1,300-1,940 of its passes.
+* **contrast**: a stall slows every pass of its pod at once; a misfit slows one
+  kind while the same stream's other passes are on time. Each stream keeps the
+  share of its recent passes the gate rejected (half-life ``stream_half_life``, 16
+  of its passes); a pass has a contrast when that share, without the pass's own
+  bucket in the batch, is under half over at least ``min_others`` passes. The
+  share of a bucket's contrasted passes that the gate rejected, with a memory of
+  ``contrast_half_life`` (50) of them, tells a misfit within about that many. A
+  stall run gives at most the stream's first ~16 stalled passes a contrast (its
+  share of rejected passes passes half after that), even a run on one kind
+  of pass alone, since the other kinds' passes then stop coming and their weight
+  decays: 16 of 50 leave the contrast rate at 0.2.
+
+A bucket is misfit when either share is at least half: nothing in it is rejected.
+Both count the passes the gate rejected, so a misfit bucket's shares fall back
+under half as soon as its passes are let in and it hovers there, learning about
+half of them until the fit comes close enough for the gate to let them all in.
+(Counting every pass beyond the gate, rejected or not, holds a bucket misfit
+until it is learned; it learned more slowly in ``bench_new_pass_kind.py``: 680
+passes at 4x against 380, 1,220 at 8x against 780.)
+
+Measured (``bench_new_pass_kind.py``, a new kind every fifth pass, 2,000 of them):
+passes until learned at 4 / 8 / 16 / 30x its extrapolation 1,300 / 1,640 / 1,700 /
+1,940 by persistence alone, 380 / 780 / 880 / 960 with the contrast; with the
+kind's buckets marked misfit from their first pass, 220 / 540 / 680 / 800.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from stepscale_operator.cost_model.features import N_BUCKETS, FloatArray
+
+
+class RecentPasses(Protocol):
+    """A stream's exponentially weighted count of recent gated passes and of those
+    the gate rejected (:class:`~stepscale_operator.cost_model.admission.StreamRecord`)."""
+
+    recent_passes: float
+    recent_rejected: float
+
+
+class MisfitBuckets:
+    """Per coverage bucket, whether the model is wrong there (see the module)."""
+
+    def __init__(
+        self,
+        half_life: float = 500.0,
+        contrast_half_life: float = 50.0,
+        stream_half_life: float = 16.0,
+        min_others: float = 2.0,
+    ) -> None:
+        self.half_life = float(half_life)
+        self.contrast_half_life = float(contrast_half_life)
+        self.stream_half_life = float(stream_half_life)
+        self.min_others = float(min_others)
+        self._decay = 2.0 ** (-1.0 / self.half_life)
+        self._contrast_decay = 2.0 ** (-1.0 / self.contrast_half_life)
+        self._stream_decay = 2.0 ** (-1.0 / self.stream_half_life)
+        # Per bucket: the weighted share of its passes the gate rejected, of all of them
+        # (persistence) and of those with a contrast.
+        self.reject_rate = np.zeros(N_BUCKETS + 1)
+        self.contrast_rate = np.zeros(N_BUCKETS + 1)
+
+    def emptied(self) -> MisfitBuckets:
+        """The same settings, nothing observed."""
+        return MisfitBuckets(
+            self.half_life, self.contrast_half_life, self.stream_half_life, self.min_others
+        )
+
+    def misfit(self, buckets: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """Per row: its bucket is one the model is wrong in."""
+        return (self.reject_rate[buckets] >= 0.5) | (self.contrast_rate[buckets] >= 0.5)
+
+    def observe(
+        self,
+        buckets: npt.NDArray[np.int64],
+        rejected: npt.NDArray[np.bool_],
+        slot: npt.NDArray[np.int64],
+        streams: Sequence[RecentPasses],
+    ) -> None:
+        """Take one chunk of gated passes: each row's bucket, whether the gate rejected
+        it, and its stream (``streams[slot]``). A chunk is taken at once: the other
+        passes of a stream in the chunk count as concurrent with each row."""
+        if buckets.shape[0] == 0:
+            return
+        _update_rates(self.reject_rate, self._decay, buckets, rejected)
+        contrast = self._contrast(buckets, rejected, slot, streams)
+        _update_rates(
+            self.contrast_rate, self._contrast_decay, buckets[contrast], rejected[contrast]
+        )
+
+    def _contrast(
+        self,
+        buckets: npt.NDArray[np.int64],
+        rejected: npt.NDArray[np.bool_],
+        slot: npt.NDArray[np.int64],
+        streams: Sequence[RecentPasses],
+    ) -> npt.NDArray[np.bool_]:
+        """Rows whose stream's other recent passes were mostly let in (and updates
+        each stream's recent counts)."""
+        n_slots = len(streams)
+        far = rejected.astype(np.float64)
+        per_stream = np.bincount(slot, minlength=n_slots).astype(np.float64)
+        far_stream = np.bincount(slot, weights=far, minlength=n_slots)
+        # The same per (stream, bucket) pair, for each row.
+        _, pair, pair_counts = np.unique(
+            slot * (N_BUCKETS + 1) + buckets, return_inverse=True, return_counts=True
+        )
+        far_pair = np.bincount(pair, weights=far)
+        prior_n = np.array([s.recent_passes for s in streams])
+        prior_far = np.array([s.recent_rejected for s in streams])
+        keep = self._stream_decay**per_stream
+        # Each of a stream's k rows in the chunk weighs the mean of the k newest
+        # weights of the exponential memory, so the chunk adds what k passes in turn
+        # would (at most the memory's 1 / (1 - decay) in all, however long it is).
+        row_weight = np.where(
+            per_stream > 0,
+            (1.0 - keep) / (1.0 - self._stream_decay) / np.maximum(per_stream, 1.0),
+            0.0,
+        )
+        after_n = prior_n * keep + row_weight * per_stream
+        after_far = prior_far * keep + row_weight * far_stream
+        for j in np.flatnonzero(per_stream):
+            streams[int(j)].recent_passes = float(after_n[j])
+            streams[int(j)].recent_rejected = float(after_far[j])
+        # The stream's passes without this row's bucket in the chunk (its earlier
+        # passes in that bucket stay in: the stream keeps no per-bucket counts).
+        others_n = after_n[slot] - row_weight[slot] * pair_counts[pair]
+        others_far = after_far[slot] - row_weight[slot] * far_pair[pair]
+        return (others_n >= self.min_others) & (2.0 * others_far < others_n)
+
+
+def _update_rates(
+    rates: FloatArray,
+    decay: float,
+    buckets: npt.NDArray[np.int64],
+    hit: npt.NDArray[np.bool_],
+) -> None:
+    """Exponentially weighted share of ``hit`` rows per bucket, in each bucket's own
+    rows (chunk-level approximation; only the buckets present are touched)."""
+    if buckets.shape[0] == 0:
+        return
+    present, inverse, counts = np.unique(buckets, return_inverse=True, return_counts=True)
+    n = counts.astype(np.float64)
+    k = np.bincount(inverse, weights=hit.astype(np.float64), minlength=present.shape[0])
+    keep = decay**n
+    rates[present] = rates[present] * keep + (1.0 - keep) * k / n

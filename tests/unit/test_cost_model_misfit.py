@@ -1,0 +1,93 @@
+"""Misfit buckets: a bucket rejected while its stream's other passes are let in is
+the model being wrong there; a stream rejected everywhere at once is stalled.
+
+Pure: :class:`MisfitBuckets` is fed what the stall gate decided (which passes it
+rejected, in which bucket, from which stream), batch by batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stepscale_operator.cost_model.admission import StreamRecord
+from stepscale_operator.cost_model.misfit import MisfitBuckets
+
+USUAL, NEW, OTHER = 3, 7, 11  # three coverage buckets
+
+
+def _feed(
+    tell: MisfitBuckets,
+    streams: list[StreamRecord],
+    rows: list[tuple[int, int, bool]],
+) -> None:
+    """One batch of (stream slot, bucket, rejected) rows."""
+    slot = np.array([r[0] for r in rows], dtype=np.int64)
+    buckets = np.array([r[1] for r in rows], dtype=np.int64)
+    rejected = np.array([r[2] for r in rows], dtype=bool)
+    tell.observe(buckets, rejected, slot, streams)
+
+
+def _misfit(tell: MisfitBuckets, bucket: int) -> bool:
+    return bool(tell.misfit(np.array([bucket], dtype=np.int64))[0])
+
+
+def test_a_bucket_rejected_beside_passes_let_in_is_misfit_within_about_its_contrast_memory() -> (
+    None
+):
+    tell = MisfitBuckets()  # contrast memory: 50 of a bucket's passes
+    stream = [StreamRecord()]
+    told_after = None
+    for i in range(200):
+        # Four usual passes let in, one of a new kind rejected, as a subscriber
+        # hands a batch of one stream in.
+        _feed(tell, stream, [(0, USUAL, False)] * 4 + [(0, NEW, True)])
+        if told_after is None and _misfit(tell, NEW):
+            told_after = i + 1
+    assert told_after is not None and 40 <= told_after <= 60, told_after
+    assert not _misfit(tell, USUAL)
+    # By persistence alone (its share of rejections over 500 of its passes) it
+    # would have taken 500.
+    assert tell.reject_rate[NEW] < 0.5
+
+
+def test_a_stream_rejected_everywhere_at_once_is_stalled_not_misfit() -> None:
+    tell = MisfitBuckets()
+    stream = [StreamRecord()]
+    for _ in range(100):
+        _feed(tell, stream, [(0, USUAL, False)] * 4 + [(0, NEW, False)])
+    # A stall run of 300 passes slows every kind the stream runs.
+    for _ in range(60):
+        _feed(tell, stream, [(0, USUAL, True)] * 4 + [(0, NEW, True)])
+    assert not _misfit(tell, NEW) and not _misfit(tell, USUAL)
+    # Only the run's first passes had a contrast (the stream's other passes were
+    # on time just before it).
+    assert tell.contrast_rate[NEW] < 0.25
+
+
+def test_the_contrast_is_per_stream() -> None:
+    """One pod stalled throughout, another sending the new kind rejected beside its
+    usual passes let in: the second one's contrast tells the misfit alone."""
+    tell = MisfitBuckets()
+    streams = [StreamRecord(), StreamRecord()]
+    for _ in range(80):
+        _feed(
+            tell,
+            streams,
+            [(0, OTHER, True)] * 4 + [(0, NEW, True)] + [(1, USUAL, False)] * 4 + [(1, NEW, True)],
+        )
+    assert _misfit(tell, NEW)
+    # The stalled pod's own kind stays a stall: its stream had no pass let in.
+    assert not _misfit(tell, OTHER)
+
+
+def test_a_misfit_bucket_learned_again_is_gated_again() -> None:
+    """Once its passes are let in and come within the gate, the shares fall back
+    under half and the gate rejects stalls there again."""
+    tell = MisfitBuckets()
+    stream = [StreamRecord()]
+    for _ in range(80):
+        _feed(tell, stream, [(0, USUAL, False)] * 4 + [(0, NEW, True)])
+    assert _misfit(tell, NEW)
+    for _ in range(80):
+        _feed(tell, stream, [(0, USUAL, False)] * 4 + [(0, NEW, False)])
+    assert not _misfit(tell, NEW)
