@@ -147,6 +147,11 @@ def cost_model_status(snapshot: Mapping[str, Any]) -> dict[str, Any]:
             for k, v in (quality.get("quarantined") or {}).items()
             if isinstance(v, int | float) and math.isfinite(v)
         },
+        "misfitBuckets": {
+            str(k): round(float(v), 4)
+            for k, v in (quality.get("misfit") or {}).items()
+            if isinstance(v, int | float) and math.isfinite(v)
+        },
         "recentFactors": {
             _RECENT_FACTOR_NAMES.get(str(k), str(k)): round(float(v), 4)
             for k, v in (quality.get("recent_factors") or {}).items()

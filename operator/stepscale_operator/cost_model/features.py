@@ -320,6 +320,29 @@ def bucket_ids(sched: FloatArray) -> npt.NDArray[np.int64]:
     return (pb * D_BINS + db) * K_BINS + kb
 
 
+def bucket_label(bucket: int) -> str:
+    """What passes a coverage bucket holds, in words, e.g. ``prefill 256-1023 tokens,
+    decode 0, context 4096+`` (what status shows for a bucket the model is wrong in)."""
+    if bucket >= N_BUCKETS:
+        return "warm-start prior"
+    pb, rest = divmod(int(bucket), D_BINS * K_BINS)
+    db, kb = divmod(rest, K_BINS)
+    return (
+        f"prefill {_bin_range(pb, 2.0, P_BINS)} tokens, decode {_bin_range(db, 2.0, D_BINS)},"
+        f" context {_bin_range(kb, 3.0, K_BINS)}"
+    )
+
+
+def _bin_range(index: int, base_log2: float, n_bins: int) -> str:
+    """The values :func:`_log_bin` puts in bin ``index``: ``0``, ``16-63``, ``4096+``."""
+    if index == 0:
+        return "0"
+    lo = int(2.0 ** (base_log2 * (index - 1)))
+    if index == n_bins - 1:
+        return f"{lo}+"
+    return f"{lo}-{int(2.0 ** (base_log2 * index)) - 1}"
+
+
 def regime_ids(sched: FloatArray) -> npt.NDArray[np.int64]:
     """Index into :data:`REGIMES` of each row."""
     has_p = sched[:, SCHED_PREFILL_TOKENS] > 0

@@ -87,6 +87,11 @@ class MisfitBuckets:
         """Per row: its bucket is one the model is wrong in."""
         return (self.reject_rate[buckets] >= 0.5) | (self.contrast_rate[buckets] >= 0.5)
 
+    def shares(self) -> dict[int, float]:
+        """Each misfit bucket -> the larger of its two shares of rejected passes."""
+        share = np.maximum(self.reject_rate, self.contrast_rate)
+        return {int(b): float(share[b]) for b in np.flatnonzero(share >= 0.5)}
+
     def observe(
         self,
         buckets: npt.NDArray[np.int64],

@@ -47,6 +47,7 @@ from stepscale_operator.cost_model.features import (
     SCALES,
     FloatArray,
     bucket_ids,
+    bucket_label,
     feature_matrix,
     regime_ids,
     roofline,
@@ -578,6 +579,7 @@ class CostModel:
             median_signed_error=e.median_signed_error,
             quarantined=self.ledger.quarantined(),
             recent_factors=self.recent_offsets().factors(),
+            misfit={bucket_label(b): v for b, v in self.misfit.shares().items()},
         )
 
     def formula(self) -> str:

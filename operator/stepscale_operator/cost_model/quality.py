@@ -47,6 +47,9 @@ class ModelQuality:
     # Factors every prediction is scaled by now: the machine's and each regime's
     # (:class:`~.recent_offsets.RecentOffsets`).
     recent_factors: dict[str, float] = field(default_factory=dict)
+    # Kinds of pass (coverage buckets, in words) the fit is far off in, learned
+    # without the stall gate meanwhile, each with its share of rejected passes.
+    misfit: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (NaN becomes None)."""
@@ -59,6 +62,7 @@ class ModelQuality:
         d["implausible_rejected"] = dict(self.implausible_rejected)
         d["quarantined"] = {k: finite_or_none(v) for k, v in self.quarantined.items()}
         d["recent_factors"] = {k: finite_or_none(v) for k, v in self.recent_factors.items()}
+        d["misfit"] = {k: finite_or_none(v) for k, v in self.misfit.items()}
         return d
 
 
