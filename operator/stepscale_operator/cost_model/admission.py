@@ -20,30 +20,28 @@ A pass reaches the regression only if it is
    nor moves the residual centre. A pod whose clock or engine is broken in a
    plausible way (50x faster, 20x slower) cannot take the model over;
 4. **not a stall** (:class:`ResidualGate`).
-Stalls. On a shared CPU a pass can be stalled 10-30x by the scheduler, in
-*runs* of up to a few hundred passes, so per-pass outlier tests on a short window
-fail: a run fills the window, widens the scale, and the stalls get learned (that
-was the old behaviour: ~2x predictions for thousands of passes). Here, residuals
-are ``log(y/pred)``; their median and MAD over a long window (``robust_window``
-passes, all residuals, rejected ones included) give a centre and a scale that a
-run shorter than half the window cannot move much. A pass more than ``reject_k``
-scales *slower* than the centre is rejected (stalls only ever slow a pass; a pass
-faster than predicted is not an outlier, the fit is simply too high). Accepted
-passes get Huber weights on their relative residual about the centre, which bounds
-any pass's pull on the fit. A bucket with little data gets a 3x wider gate and
-knee, and at least ``unlearned_factor`` (3x slower than predicted) whatever the
-noise, so an unlearned regime is not mistaken for a stall. A bucket the model
-is wrong in (:mod:`.misfit`: the gate keeps rejecting its passes, or rejects them
-while the same stream's other passes are on time) gets none rejected, whatever the
-size (a kind of pass 4-30x its extrapolation is learned so, in 380-960 of them).
-A persistently slower
-engine moves the centre; while the median of the newest ``drift_window``
-residuals is off by more than ``drift_floor`` (3%: the bias the model tolerates)
-the model is *drifting* and forgets at ``drift_half_life_passes`` without
-coverage floors, so it follows the change in a few thousand passes whatever the
-half-life. The same test per
-regime (:mod:`.regime_residuals`) catches a fit that is off in the rare prefill
-regime alone, which the median of all residuals cannot see.
+Stalls. On a shared CPU a pass can be stalled 10-30x by the scheduler, in *runs* of
+up to a few hundred passes, so per-pass outlier tests on a short window fail: a run
+fills the window, widens the scale, and the stalls get learned (that was the old
+behaviour: ~2x predictions for thousands of passes). Here, residuals are
+``log(y/pred)``; their median and MAD over a long window (``robust_window`` passes,
+all residuals, rejected ones included) give a centre and a scale that a run shorter
+than half the window cannot move much. A pass more than ``reject_k`` scales *slower*
+than the centre is rejected (stalls only ever slow a pass; a pass faster than
+predicted is not an outlier, the fit is simply too high). Accepted passes get Huber
+weights on their relative residual about the centre, which bounds any pass's pull on
+the fit. A bucket with little data gets a 3x wider gate and knee, and at least
+``unlearned_factor`` (3x slower than predicted) whatever the noise, so an unlearned
+regime is not mistaken for a stall. A bucket the model is wrong in (:mod:`.misfit`:
+the gate keeps rejecting its passes, or rejects them while the same stream's other
+passes are on time) gets none rejected, whatever the size (a kind of pass 4-30x its
+extrapolation is learned so, in 380-960 of them). A persistently slower engine moves
+the centre; while the median of the newest ``drift_window`` residuals is off by more
+than ``drift_floor`` (3%: the bias the model tolerates) the model is *drifting* and
+forgets at ``drift_half_life_passes`` without coverage floors, so it follows the
+change in a few thousand passes whatever the half-life. The same test per regime
+(:mod:`.regime_residuals`) catches a fit that is off in the rare prefill regime
+alone, which the median of all residuals cannot see.
 """
 
 from __future__ import annotations

@@ -46,6 +46,9 @@ import numpy.typing as npt
 
 from stepscale_operator.cost_model.features import N_BUCKETS, FloatArray
 
+# A bucket is misfit once either of its shares of rejected passes reaches this.
+MISFIT_SHARE = 0.5
+
 
 class RecentPasses(Protocol):
     """A stream's exponentially weighted count of recent gated passes and of those
@@ -85,12 +88,13 @@ class MisfitBuckets:
 
     def misfit(self, buckets: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
         """Per row: its bucket is one the model is wrong in."""
-        return (self.reject_rate[buckets] >= 0.5) | (self.contrast_rate[buckets] >= 0.5)
+        share = np.maximum(self.reject_rate[buckets], self.contrast_rate[buckets])
+        return share >= MISFIT_SHARE
 
     def shares(self) -> dict[int, float]:
         """Each misfit bucket -> the larger of its two shares of rejected passes."""
         share = np.maximum(self.reject_rate, self.contrast_rate)
-        return {int(b): float(share[b]) for b in np.flatnonzero(share >= 0.5)}
+        return {int(b): float(share[b]) for b in np.flatnonzero(share >= MISFIT_SHARE)}
 
     def observe(
         self,
