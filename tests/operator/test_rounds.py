@@ -149,7 +149,16 @@ def test_gauges_lose_their_series_when_the_value_goes() -> None:
         metrics, "stepscale_cost_model_coefficient_seconds", coefficient="intercept", per="pass"
     ) == pytest.approx(0.004)
     # The model is reset / overloaded / no prediction: no stale values remain.
+    assert value(metrics, "stepscale_cost_model_misfit_buckets") == 0.0
+    # The model is far off in one kind of pass (status names it), then in none.
+    learning = status(0.03, 120.0, 0.004)
+    learning["costModel"]["misfitBuckets"] = {
+        "prefill 1024-4095 tokens, decode 0, context 4096+": 0.6
+    }
+    observe_metrics(metrics, DEPLOYMENT, status=learning, **kwargs)
+    assert value(metrics, "stepscale_cost_model_misfit_buckets") == 1.0
     observe_metrics(metrics, DEPLOYMENT, status=status(None, None, None), **kwargs)
+    assert value(metrics, "stepscale_cost_model_misfit_buckets") == 0.0
     assert value(metrics, "stepscale_cost_model_mape_ratio") is None
     assert value(metrics, "stepscale_cost_model_r2_ratio") is None
     assert value(metrics, "stepscale_predicted_ttft_seconds", at="current") is None

@@ -68,6 +68,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("stepscale_cost_model_samples", "gauge", "Passes the step-time model learned"),
     MetricSpec("stepscale_cost_model_ready", "gauge", "1 when the step-time model is trusted"),
     MetricSpec(
+        "stepscale_cost_model_misfit_buckets",
+        "gauge",
+        "Kinds of pass (coverage buckets) the step-time model is far off in, learned "
+        "without the stall gate until it catches up",
+    ),
+    MetricSpec(
         "stepscale_load_tokens_per_second",
         "gauge",
         "Measured load, tokens per second, by kind (prefill, prefill_cached, decode)",

@@ -171,6 +171,8 @@ def observe_metrics(
     metrics.set_gauge("stepscale_cost_model_r2_ratio", (deployment,), cm.get("r2"))
     metrics.set_gauge("stepscale_cost_model_samples", (deployment,), cm.get("samples", 0))
     metrics.set_gauge("stepscale_cost_model_ready", (deployment,), 1 if cm.get("ready") else 0)
+    misfit = cm.get("misfitBuckets") or {}
+    metrics.set_gauge("stepscale_cost_model_misfit_buckets", (deployment,), len(misfit))
     load = status.get("load") or {}
     for kind, name in LOAD_GAUGES:
         metrics.set_gauge("stepscale_load_tokens_per_second", (deployment, kind), load.get(name))
