@@ -4,13 +4,14 @@ A fleet that served short prompts for hours starts getting long conversations
 whose prefix is cached: prefill chunks that attend over 60k tokens of cached
 context. The fit extrapolates their cost from passes without any; the truth can
 be several times that. The stall gate must tell such a pass (the model is wrong,
-learn it) from a stalled one (the machine was slow, don't), and it can tell only
-by where the pass falls: a coverage bucket the fit has data in is gated narrowly,
-a bucket it has not seen widely.
+learn it) from a stalled one (the machine was slow, don't): by where the pass
+falls (a coverage bucket the fit has data in is gated narrowly, a bucket it has
+not seen widely), and by what else the stream sends meanwhile (a stall slows all
+of its passes, a misfit one kind: :mod:`stepscale_operator.cost_model.misfit`).
 
 The stream (synthetic: the simulator's H100 / Llama-8B step times, with its 3%
-log-normal noise): ``--warm`` passes of the usual mix with no cached prefix, then every fifth pass a
-single 64-2,048-token chunk over a ``--context``-token cached prefix, taking
+log-normal noise): ``--warm`` passes of the usual mix with no cached prefix,
+then every fifth pass a single 64-2,048-token chunk over a ``--context``-token cached prefix, taking
 ``factor`` times what the fit predicted for it at the switch. Passes arrive in
 subscriber batches of ``--batch``; each is predicted before it is learned. Per
 factor the table gives how many of them it took until a group of 20 is predicted
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -79,9 +81,13 @@ UNGATED = {"reject_k": 1e9, "unlearned_factor": 1e9}
 SHOWN_AT = (0, 100, 500, 1000, 1500)
 
 
-def learning_curve(factor: float, args: argparse.Namespace, **model_kw: float) -> dict[str, object]:
-    """The new kind's errors, by group, for one factor off the fit's extrapolation
-    (``model_kw``: the cost model's settings, the defaults unless given)."""
+def new_kind_batches(
+    factor: float, args: argparse.Namespace, **model_kw: float
+) -> Iterator[tuple[CostModel, np.ndarray]]:
+    """The stream, batch by batch: the model at the switch (no errors yet), then
+    after each batch and the new-kind passes' relative errors in it (predicted
+    before learned). ``model_kw``: the cost model's settings, the defaults unless
+    given."""
     rng = np.random.default_rng(args.seed)
     model = CostModel(warmup_passes=0, **model_kw)
     warm = usual_passes(rng, args.warm)
@@ -91,7 +97,7 @@ def learning_curve(factor: float, args: argparse.Namespace, **model_kw: float) -
         times = step_times(warm[part]) * noise[part]
         model.update_batch(warm[part], times, [("w", 0)] * times.shape[0])
     at_switch = copy.deepcopy(model)  # frozen: later learning must not move the truth
-    errors: list[float] = []
+    yield model, np.zeros(0)
     for _ in range(args.new // (args.batch // 5)):
         rows = usual_passes(rng, args.batch)
         new = np.arange(0, args.batch, 5)
@@ -101,7 +107,14 @@ def learning_curve(factor: float, args: argparse.Namespace, **model_kw: float) -
         times[new] = factor * at_switch.predict_many(rows[new], recent_offsets=False)
         times *= np.exp(rng.normal(0.0, args.noise, args.batch))
         predicted = model.update_batch(rows, times, [("w", 0)] * args.batch)
-        errors.extend(((predicted[new] - times[new]) / times[new]).tolist())
+        yield model, (predicted[new] - times[new]) / times[new]
+
+
+def learning_curve(factor: float, args: argparse.Namespace, **model_kw: float) -> dict[str, object]:
+    """The new kind's errors, by group, for one factor off the fit's extrapolation."""
+    errors: list[float] = []
+    for _, batch_errors in new_kind_batches(factor, args, **model_kw):
+        errors.extend(batch_errors.tolist())
     groups = [float(np.median(np.abs(errors[i : i + GROUP]))) for i in range(0, len(errors), GROUP)]
     learned = next((i * GROUP for i, g in enumerate(groups) if g <= LEARNED), None)
     return {"factor": factor, "group_median_abs_error": groups, "passes_to_learn": learned}

@@ -13,13 +13,12 @@ known; no timing is asserted.
 from __future__ import annotations
 
 import argparse
-import copy
 
 import numpy as np
 import pytest
 
 from stepscale_operator.controller.status import cost_model_status
-from stepscale_operator.cost_model import CostModel, bucket_ids, regressor_matrix, roofline
+from stepscale_operator.cost_model import bucket_ids, regressor_matrix, roofline
 from tests.conftest import benchmark_module
 from tests.operator.test_status_and_crd import pruned, schema
 from tests.unit.test_cost_model import TRUE_VEC, trained
@@ -107,24 +106,12 @@ def test_status_names_the_kind_of_pass_the_fit_is_off_in_while_it_learns_it() ->
     """``status.costModel.misfitBuckets``: while chunks over a 60k-token cached
     prefix, 8x their extrapolation, are learned without the stall gate, status
     names their buckets in words; once they are learned, none."""
-    args = _stream(0)
-    rng = np.random.default_rng(args.seed)
-    model = CostModel(warmup_passes=0)
-    warm = bench.usual_passes(rng, args.warm)
-    noise = np.exp(rng.normal(0.0, args.noise, args.warm))
-    model.update_batch(warm, bench.step_times(warm) * noise, [("w", 0)] * args.warm)
-    assert model.quality.misfit == {}
-    at_switch = copy.deepcopy(model)
     cost_model_schema = schema()["properties"]["status"]["properties"]["costModel"]
     seen: list[dict[str, float]] = []
-    for _ in range(150):
-        rows = bench.usual_passes(rng, args.batch)
-        new = np.arange(0, args.batch, 5)
-        rows[new] = bench.new_kind_passes(rng, new.size, args.context)
-        times = bench.step_times(rows)
-        times[new] = 8.0 * at_switch.predict_many(rows[new], recent_offsets=False)
-        times *= np.exp(rng.normal(0.0, args.noise, args.batch))
-        model.update_batch(rows, times, [("w", 0)] * args.batch)
+    batches = bench.new_kind_batches(8.0, _stream(3000))
+    at_switch, _ = next(batches)
+    assert at_switch.quality.misfit == {}
+    for model, _ in batches:
         status = cost_model_status(model.to_dict())
         # As the API server stores it: the CRD's schema keeps the field.
         assert pruned(status, cost_model_schema)["misfitBuckets"] == status["misfitBuckets"]
