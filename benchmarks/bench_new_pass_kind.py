@@ -11,8 +11,10 @@ of its passes, a misfit one kind: :mod:`stepscale_operator.cost_model.misfit`).
 
 The stream (synthetic: the simulator's H100 / Llama-8B step times, with its 3%
 log-normal noise): ``--warm`` passes of the usual mix with no cached prefix,
-then every fifth pass a single 64-2,048-token chunk over a ``--context``-token cached prefix, taking
-``factor`` times what the fit predicted for it at the switch. Passes arrive in
+then a ``--share`` of the passes (every fifth by default; evenly spaced) a single
+64-2,048-token chunk over a ``--context``-token cached prefix, taking ``factor``
+times what the fit predicted for it at the switch (``--share 0.8``: a prefill
+worker that now meets a cached prefix on most requests). Passes arrive in
 subscriber batches of ``--batch``; each is predicted before it is learned. Per
 factor the table gives how many of them it took until a group of 20 is predicted
 within 15% (median), for the cost model as it is and with its stall gate off
@@ -98,9 +100,11 @@ def new_kind_batches(
         model.update_batch(warm[part], times, [("w", 0)] * times.shape[0])
     at_switch = copy.deepcopy(model)  # frozen: later learning must not move the truth
     yield model, np.zeros(0)
-    for _ in range(args.new // (args.batch // 5)):
+    # The new kind's rows in each batch, evenly spaced (every fifth at a share of 0.2).
+    per_batch = max(1, min(args.batch, round(args.share * args.batch)))
+    new = np.floor(np.arange(per_batch) * args.batch / per_batch).astype(np.int64)
+    for _ in range(-(-args.new // per_batch)):
         rows = usual_passes(rng, args.batch)
-        new = np.arange(0, args.batch, 5)
         rows[new] = new_kind_passes(rng, new.size, args.context)
         times = step_times(rows)
         # The new kind costs ``factor`` times what the fit made of it at the switch.
@@ -131,6 +135,12 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=2000, help="new-kind passes per factor")
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--context", type=float, default=60_000.0)
+    parser.add_argument(
+        "--share",
+        type=float,
+        default=0.2,
+        help="the new kind's share of the passes after the switch",
+    )
     parser.add_argument("--noise", type=float, default=H100_LLAMA_8B.noise_sigma)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "results"))
@@ -140,8 +150,8 @@ def main() -> None:
     gated = [learning_curve(f, args) for f in factors]
     ungated = [learning_curve(f, args, **UNGATED) for f in factors]
     print(
-        f"new kind: one chunk over {args.context:.0f} cached tokens, every 5th pass "
-        f"after {args.warm} without; {args.new} of them"
+        f"new kind: one chunk over {args.context:.0f} cached tokens, {args.share:.0%} of the "
+        f"passes after {args.warm} without; {args.new} of them"
     )
     shown = [at for at in SHOWN_AT if at < args.new]
     heads = " ".join(f"{'err@' + str(at):>8}" for at in shown)

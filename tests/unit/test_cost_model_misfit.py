@@ -91,3 +91,54 @@ def test_a_misfit_bucket_learned_again_is_gated_again() -> None:
     for _ in range(80):
         _feed(tell, stream, [(0, USUAL, False)] * 4 + [(0, NEW, False)])
     assert not _misfit(tell, NEW)
+
+
+def test_a_bucket_that_is_most_of_its_stream_is_told_by_the_passes_let_in_before_it() -> None:
+    """Four passes in five of the new kind, rejected: the stream's share of
+    rejected passes is 0.8, so it gives no contrast; the first new pass after each
+    usual one let in has one (a stall slows the passes around it too)."""
+    tell = MisfitBuckets()
+    stream = [StreamRecord()]
+    told_after = None
+    for i in range(200):
+        _feed(tell, stream, [(0, USUAL, False)] + [(0, NEW, True)] * 4)
+        if told_after is None and _misfit(tell, NEW):
+            told_after = i + 1
+    # One contrasted pass per batch: about the contrast memory (50) of them.
+    assert told_after is not None and 40 <= told_after <= 60, told_after
+    assert not _misfit(tell, USUAL)
+
+
+def test_scattered_stalls_under_half_of_a_bucket_are_not_a_misfit() -> None:
+    """Most stalls seen on a shared CPU are single passes (0.6-0.9 of the runs in
+    the kept recordings): a pass stalled now and then right after one on time,
+    in a third of one bucket's passes, is a stall, however long it goes on."""
+    tell = MisfitBuckets()
+    stream = [StreamRecord()]
+    rng = np.random.default_rng(0)
+    for _ in range(600):
+        stalled = rng.random(5) < 1 / 3
+        _feed(tell, stream, [(0, NEW, bool(s)) for s in stalled])
+    assert not _misfit(tell, NEW)
+
+
+def test_a_stream_rejected_for_longer_than_any_stall_is_misfit() -> None:
+    """A stream of the new kind alone (a prefill worker), every pass rejected: no
+    other pass of it gives a contrast, but no stall run is 400 passes long (the
+    longest seen on a shared CPU are ~110-160). Another pod's passes let in,
+    interleaved in the same batches, are no contrast for it: each stream is
+    counted in its own pass order."""
+    tell = MisfitBuckets()  # longest_stall: 400
+    streams = [StreamRecord(), StreamRecord()]
+    told_after = None
+    for i in range(120):
+        _feed(tell, streams, [(0, NEW, True), (1, USUAL, False)] * 5)
+        if i + 1 <= 80:  # 400 passes in a row: a stall, as far as anyone knows
+            assert not _misfit(tell, NEW), i
+        if told_after is None and _misfit(tell, NEW):
+            told_after = i + 1
+            # By persistence alone (500 of the bucket's passes) it would take 100.
+            assert tell.reject_rate[NEW] < 0.5
+    # Then the contrast memory: 50 of the bucket's passes, five to a batch.
+    assert told_after is not None and 85 <= told_after <= 95, told_after
+    assert [s.rejected_run for s in streams] == [600, 0]

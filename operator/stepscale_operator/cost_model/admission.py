@@ -34,8 +34,9 @@ the fit. A bucket with little data gets a 3x wider gate and knee, and at least
 ``unlearned_factor`` (3x slower than predicted) whatever the noise, so an unlearned
 regime is not mistaken for a stall. A bucket the model is wrong in (:mod:`.misfit`:
 the gate keeps rejecting its passes, or rejects them while the same stream's other
-passes are on time) gets none rejected, whatever the size (a kind of pass 4-30x its
-extrapolation is learned so, in 380-960 of them). A persistently slower engine moves
+passes are on time, or for longer than any stall) gets none rejected, whatever the
+size (a kind of pass 4-30x its extrapolation is learned so, in 380-960 of them when
+it is a fifth of the passes). A persistently slower engine moves
 the centre; while the median of the newest ``drift_window`` residuals is off by more
 than ``drift_floor`` (3%: the bias the model tolerates) the model is *drifting* and
 forgets at ``drift_half_life_passes`` without coverage floors, so it follows the
@@ -271,6 +272,7 @@ class StreamRecord:
     # rejected (short memory: :class:`~stepscale_operator.cost_model.misfit.MisfitBuckets`).
     recent_passes: float = 0.0
     recent_rejected: float = 0.0
+    rejected_run: int = 0  # its latest gated passes the gate rejected, in a row
     quarantined: bool = False
     quarantines: int = 0  # times it was quarantined
     judged: bool = False  # has had enough predicted passes to be compared with the others

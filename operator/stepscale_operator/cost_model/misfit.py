@@ -11,16 +11,29 @@ pass by pass. Two tells separate them, per coverage bucket:
   falls on every kind running, so it cannot push one bucket past half. Slow: at
   4-30x a kind waited 1,300-1,940 of its passes.
 * **contrast**: a stall slows every pass of its pod at once; a misfit slows one
-  kind while the same stream's other passes are on time. Each stream keeps the
-  share of its recent passes the gate rejected (half-life ``stream_half_life``, 16
-  of its passes); a pass has a contrast when that share, without the pass's own
-  bucket in the batch, is under half over at least ``min_others`` passes. The
-  share of a bucket's contrasted passes that the gate rejected, with a memory of
-  ``contrast_half_life`` (50) of them, tells a misfit within about that many. A
-  stall run gives at most the stream's first ~16 stalled passes a contrast (its
-  share of rejected passes passes half after that), even a run on one kind
-  of pass alone, since the other kinds' passes then stop coming and their weight
-  decays: 16 of 50 leave the contrast rate at 0.2.
+  kind while the same stream's other passes are on time. A pass has a contrast when
+
+  - its stream's recent passes, without its own bucket in the batch, were mostly
+    let in: each stream keeps the share of its recent passes the gate rejected
+    (half-life ``stream_half_life``, 16 of its passes), and that share is under
+    half over at least ``min_others`` passes. A stall run gives at most the
+    stream's first ~16 stalled passes a contrast (its share of rejected passes
+    passes half after that), even a run on one kind of pass alone, since the
+    other kinds' passes then stop coming and their weight decays;
+  - or the stream's previous pass was let in. A stall slows the passes around it
+    too, so a run gives only its first pass a contrast so; a kind that is most of
+    its stream's passes (four in five: a prefill worker that now meets a cached
+    prefix on most requests) has no contrast by share, but one after each pass of
+    another kind. Most stalls on a shared CPU are single passes (0.6-0.9 of the
+    runs the gate rejected in the kept recordings), and a bucket takes them at
+    their rate, under half;
+  - or it comes after ``longest_stall`` (400) rejections in a row: no stall is
+    that long (the longest runs seen on a shared CPU are ~110-160 passes). A
+    stream of the new kind alone has no other contrast.
+
+  The share of a bucket's contrasted passes that the gate rejected, with a memory
+  of ``contrast_half_life`` (50) of them, tells a misfit within about that many
+  (a stall run's first 16 of 50 leave it at 0.2).
 
 A bucket is misfit when either share is at least half: nothing in it is rejected.
 Both count the passes the gate rejected, so a misfit bucket's shares fall back
@@ -30,10 +43,22 @@ half of them until the fit comes close enough for the gate to let them all in.
 until it is learned; it learned more slowly in ``bench_new_pass_kind.py``: 680
 passes at 4x against 380, 1,220 at 8x against 780.)
 
-Measured (``bench_new_pass_kind.py``, a new kind every fifth pass, 2,000 of them):
-passes until learned at 4 / 8 / 16 / 30x its extrapolation 1,300 / 1,640 / 1,700 /
-1,940 by persistence alone, 380 / 780 / 880 / 960 with the contrast; with the
-kind's buckets marked misfit from their first pass, 220 / 540 / 680 / 800.
+Measured (``bench_new_pass_kind.py``, 2,000 passes of a new kind): passes until
+learned at 4 / 8 / 16 / 30x its extrapolation, a fifth of the passes:
+
+=====================================  =====  =====  =====  =====
+tells                                  4x     8x     16x    30x
+=====================================  =====  =====  =====  =====
+persistence alone                      1,300  1,640  1,700  1,940
+with the contrast by share             380    780    880    960
+the kind's buckets misfit from pass 1  220    540    680    800
+=====================================  =====  =====  =====  =====
+
+Four in five passes of the new kind: by share and persistence 1,120 / never /
+never / never, with the previous pass 660 / 1,120 / 1,520 / 1,840. Every pass:
+1,100 / never / never / never, with the long run 740 / 1,300 / 1,760 / never
+(30x: 39% off after 1,500). What remains there is the fit itself: with the gate
+off it takes 120 / 1,400 / never / never.
 """
 
 from __future__ import annotations
@@ -52,10 +77,12 @@ MISFIT_SHARE = 0.5
 
 class RecentPasses(Protocol):
     """A stream's exponentially weighted count of recent gated passes and of those
-    the gate rejected (:class:`~stepscale_operator.cost_model.admission.StreamRecord`)."""
+    the gate rejected, and how many it rejected in a row last
+    (:class:`~stepscale_operator.cost_model.admission.StreamRecord`)."""
 
     recent_passes: float
     recent_rejected: float
+    rejected_run: int
 
 
 class MisfitBuckets:
@@ -67,11 +94,13 @@ class MisfitBuckets:
         contrast_half_life: float = 50.0,
         stream_half_life: float = 16.0,
         min_others: float = 2.0,
+        longest_stall: int = 400,
     ) -> None:
         self.half_life = float(half_life)
         self.contrast_half_life = float(contrast_half_life)
         self.stream_half_life = float(stream_half_life)
         self.min_others = float(min_others)
+        self.longest_stall = int(longest_stall)
         self._decay = 2.0 ** (-1.0 / self.half_life)
         self._contrast_decay = 2.0 ** (-1.0 / self.contrast_half_life)
         self._stream_decay = 2.0 ** (-1.0 / self.stream_half_life)
@@ -83,7 +112,11 @@ class MisfitBuckets:
     def emptied(self) -> MisfitBuckets:
         """The same settings, nothing observed."""
         return MisfitBuckets(
-            self.half_life, self.contrast_half_life, self.stream_half_life, self.min_others
+            self.half_life,
+            self.contrast_half_life,
+            self.stream_half_life,
+            self.min_others,
+            self.longest_stall,
         )
 
     def misfit(self, buckets: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
@@ -121,8 +154,8 @@ class MisfitBuckets:
         slot: npt.NDArray[np.int64],
         streams: Sequence[RecentPasses],
     ) -> npt.NDArray[np.bool_]:
-        """Rows whose stream's other recent passes were mostly let in (and updates
-        each stream's recent counts)."""
+        """Rows whose stream's other recent passes were mostly let in, or whose stream's
+        previous pass was (and updates each stream's recent passes)."""
         n_slots = len(streams)
         far = rejected.astype(np.float64)
         per_stream = np.bincount(slot, minlength=n_slots).astype(np.float64)
@@ -134,6 +167,7 @@ class MisfitBuckets:
         pair_far = np.bincount(pair, weights=far)[pair]
         prior_n = np.array([s.recent_passes for s in streams])
         prior_far = np.array([s.recent_rejected for s in streams])
+        prior_run = np.array([s.rejected_run for s in streams], dtype=np.int64)
         keep = self._stream_decay**per_stream
         # Each of a stream's k rows in the chunk weighs the mean of the k newest
         # weights of the exponential memory, so the chunk adds what k passes in turn
@@ -145,18 +179,57 @@ class MisfitBuckets:
         )
         after_n = prior_n * keep + row_weight * per_stream
         after_far = prior_far * keep + row_weight * far_stream
+        run_before, run_after = _rejected_runs(rejected, slot, prior_run)
         # Every stream written back (one without rows here keeps its counts): plain
-        # floats in one pass, the cost of a batch spread over a hundred streams.
-        for stream, n, n_rejected in zip(
-            streams, after_n.tolist(), after_far.tolist(), strict=True
+        # values in one pass, the cost of a batch spread over a hundred streams.
+        for stream, n, n_rejected, run in zip(
+            streams, after_n.tolist(), after_far.tolist(), run_after.tolist(), strict=True
         ):
             stream.recent_passes = n
             stream.recent_rejected = n_rejected
+            stream.rejected_run = run
         # The stream's passes without this row's bucket in the chunk (its earlier
         # passes in that bucket stay in: the stream keeps no per-bucket counts).
         others_n = after_n[slot] - row_weight[slot] * pair_n
         others_far = after_far[slot] - row_weight[slot] * pair_far
-        return (others_n >= self.min_others) & (2.0 * others_far < others_n)
+        mostly_on_time = (others_n >= self.min_others) & (2.0 * others_far < others_n)
+        # A pass right after one let in (a stall slows the passes around it too), or
+        # one in a run of rejections longer than any stall.
+        return mostly_on_time | (run_before == 0) | (run_before >= self.longest_stall)
+
+
+def _rejected_runs(
+    rejected: npt.NDArray[np.bool_],
+    slot: npt.NDArray[np.int64],
+    run_before: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Per row, how many of its stream's gated passes in a row the gate had rejected
+    just before it (``run_before``: per stream, before the chunk; a stream's rows are
+    in its pass order); and per stream, how many after the chunk."""
+    n = rejected.shape[0]
+    order = np.argsort(slot, kind="stable")
+    by_stream = slot[order]
+    far = rejected[order]
+    idx = np.arange(n)
+    first = np.ones(n, dtype=bool)
+    first[1:] = by_stream[1:] != by_stream[:-1]
+    # The run after each row: rows since the stream's latest pass let in, or since its
+    # first row here plus the run it came with.
+    start = np.maximum.accumulate(np.where(first | ~far, idx, 0))
+    carried = first[start] & far[start]
+    run_after = np.where(
+        far, idx - start + np.where(carried, 1 + run_before[by_stream[start]], 0), 0
+    )
+    before = np.empty(n, dtype=np.int64)
+    before[1:] = run_after[:-1]
+    before[first] = run_before[by_stream[first]]
+    out = np.empty_like(before)
+    out[order] = before
+    last = np.ones(n, dtype=bool)
+    last[:-1] = first[1:]
+    updated = run_before.copy()
+    updated[by_stream[last]] = run_after[last]
+    return out, updated
 
 
 def _update_rates(
