@@ -154,8 +154,9 @@ class MisfitBuckets:
         slot: npt.NDArray[np.int64],
         streams: Sequence[RecentPasses],
     ) -> npt.NDArray[np.bool_]:
-        """Rows whose stream's other recent passes were mostly let in, or whose stream's
-        previous pass was (and updates each stream's recent passes)."""
+        """Rows whose stream's other recent passes were mostly let in, whose stream's
+        previous pass was, or that come after more rejections in a row than any stall
+        (and updates each stream's recent passes)."""
         n_slots = len(streams)
         far = rejected.astype(np.float64)
         per_stream = np.bincount(slot, minlength=n_slots).astype(np.float64)
