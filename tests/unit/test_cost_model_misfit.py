@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from stepscale_operator.cost_model.admission import StreamRecord
+from stepscale_operator.cost_model.admission import ResidualGate, StreamRecord
+from stepscale_operator.cost_model.features import N_BUCKETS
 from stepscale_operator.cost_model.misfit import MisfitBuckets
 
 USUAL, NEW, OTHER = 3, 7, 11  # three coverage buckets
@@ -142,3 +143,30 @@ def test_a_stream_rejected_for_longer_than_any_stall_is_misfit() -> None:
     # Then the contrast memory: 50 of the bucket's passes, five to a batch.
     assert told_after is not None and 85 <= told_after <= 95, told_after
     assert [s.rejected_run for s in streams] == [600, 0]
+
+
+def test_the_gate_takes_a_misfit_bucket_at_full_weight_and_rejects_the_rest() -> None:
+    """Passes 8x slower than predicted: rejected as stalls in a learned bucket and in
+    an unlearned one (beyond its 3x), taken at full weight in a misfit one (the model
+    is wrong there). Passes 1.1x slower, past the learned knee: a fraction of a
+    weight in a learned bucket, full weight in a misfit one."""
+    gate = ResidualGate(
+        window=2000, every=50, huber_k=2.0, reject_k=4.0, bucket_trust=20.0,
+        drift_k=3.0, drift_floor=0.03,
+    )  # fmt: skip
+    gate.push(np.random.default_rng(0).normal(0.0, 0.03, 500))  # scale ~0.03
+    buckets = np.array([USUAL, NEW, OTHER], dtype=np.int64)
+    counts = np.zeros(N_BUCKETS + 1)
+    counts[[USUAL, OTHER]] = 1000.0  # USUAL and OTHER learned, NEW not
+    misfit = np.array([False, False, True])
+    covered = np.zeros(3, dtype=bool)
+
+    def weights(factor: float) -> tuple[list[float], list[bool]]:
+        log_res = np.full(3, np.log(factor))
+        w, rejected = gate.weights(np.expm1(log_res), log_res, buckets, covered, counts, misfit)
+        return w.tolist(), rejected.tolist()
+
+    assert weights(8.0) == ([0.0, 0.0, 1.0], [True, True, False])
+    w, rejected = weights(1.1)
+    assert rejected == [False, False, False]
+    assert 0.0 < w[0] < 1.0 and w[1:] == [1.0, 1.0]

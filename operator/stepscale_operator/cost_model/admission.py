@@ -34,9 +34,10 @@ the fit. A bucket with little data gets a 3x wider gate and knee, and at least
 ``unlearned_factor`` (3x slower than predicted) whatever the noise, so an unlearned
 regime is not mistaken for a stall. A bucket the model is wrong in (:mod:`.misfit`:
 the gate keeps rejecting its passes, or rejects them while the same stream's other
-passes are on time, or for longer than any stall) gets none rejected, whatever the
-size (a kind of pass 4-30x its extrapolation is learned so, in 380-960 of them when
-it is a fifth of the passes). A persistently slower engine moves
+passes are on time, or for longer than any stall) gets none rejected and every
+pass at full weight, whatever the size (a kind of pass 4-30x its extrapolation is
+learned so, in 160-440 of them when it is a fifth of the passes). A persistently
+slower engine moves
 the centre; while the median of the newest ``drift_window`` residuals is off by more
 than ``drift_floor`` (3%: the bias the model tolerates) the model is *drifting* and
 forgets at ``drift_half_life_passes`` without coverage floors, so it follows the
@@ -190,7 +191,7 @@ class ResidualGate:
         faster than predicted is never rejected (the fit is too high; let it learn).
         Buckets with little data get a wider gate, so a regime the model has not
         learned yet is not mistaken for a stall, and buckets it keeps rejecting none
-        (the model is wrong there); passes
+        (the model is wrong there: full weight); passes
         of a regime with fewer than ``min_regime_samples`` learned (``uncovered``) are
         never gated: the model cannot know their cost yet (after a long decode-only
         stretch, a prefill pass can be 10x slower than predicted and still be right).
@@ -221,12 +222,14 @@ class ResidualGate:
         weight = np.minimum(
             1.0, np.where(trusted, knee, knee_untrusted) / np.maximum(abs_rel, 1e-300)
         )
-        # In a misfit bucket nothing is rejected, whatever the size: the model is
-        # wrong there (chunks over a cached prefix 4x or more their extrapolation
-        # were rejected for as long as they came).
         beyond = np.where(trusted, excess > gate, excess > gate_untrusted) & ~uncovered
         rejected = beyond & ~misfit
         weight[rejected] = 0.0
+        # In a misfit bucket the model is wrong: its passes count fully, whatever the
+        # size (chunks over a cached prefix 4x or more their extrapolation were
+        # rejected for as long as they came, and, let in at the unlearned knee's
+        # weight, took 380-960 of them to learn).
+        weight[misfit] = 1.0
         return weight, rejected
 
     def push(self, log_res: FloatArray) -> None:

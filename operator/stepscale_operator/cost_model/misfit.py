@@ -35,30 +35,37 @@ pass by pass. Two tells separate them, per coverage bucket:
   of ``contrast_half_life`` (50) of them, tells a misfit within about that many
   (a stall run's first 16 of 50 leave it at 0.2).
 
-A bucket is misfit when either share is at least half: nothing in it is rejected.
-Both count the passes the gate rejected, so a misfit bucket's shares fall back
-under half as soon as its passes are let in and it hovers there, learning about
-half of them until the fit comes close enough for the gate to let them all in.
-(Counting every pass beyond the gate, rejected or not, holds a bucket misfit
-until it is learned; it learned more slowly in ``bench_new_pass_kind.py``: 680
-passes at 4x against 380, 1,220 at 8x against 780.)
+A bucket is misfit when either share is at least half: nothing in it is rejected,
+and its passes are learned at full weight and at their own time (see
+:meth:`~stepscale_operator.cost_model.admission.ResidualGate.weights` and the cost
+model's working rows). Either alone is slower than neither: a pass 8x its
+prediction, linearised at that prediction, has a target a third of the way there,
+and full weight on it pulls the fit to a compromise (8x: 1,500 passes); at its own
+time but the unlearned knee's Huber weight, each pass pulls a seventh as hard (8x:
+780). Both count the passes the gate rejected, so a misfit bucket's shares fall
+back under half as soon as its passes are let in, and it hovers there, learning
+about half of them, until the fit comes close enough for the gate to let them all
+in. (Counting every pass beyond the gate, rejected or not, holds a bucket misfit
+until it is learned; it learned more slowly, under the old weights, in
+``bench_new_pass_kind.py``: 680 passes at 4x against 380, 1,220 at 8x against 780.)
 
 Measured (``bench_new_pass_kind.py``, 2,000 passes of a new kind): passes until
 learned at 4 / 8 / 16 / 30x its extrapolation, a fifth of the passes:
 
-=====================================  =====  =====  =====  =====
-tells                                  4x     8x     16x    30x
-=====================================  =====  =====  =====  =====
-persistence alone                      1,300  1,640  1,700  1,940
-with the contrast by share             380    780    880    960
-the kind's buckets misfit from pass 1  220    540    680    800
-=====================================  =====  =====  =====  =====
+=========================================  =====  =====  =====  =====
+tells, weights                             4x     8x     16x    30x
+=========================================  =====  =====  =====  =====
+persistence alone, Huber, linearised       1,300  1,640  1,700  1,940
+and the contrast by share                  380    780    880    960
+misfit from pass 1 (the old bound)         220    540    680    800
+both tells, full weight, own time          160    200    320    440
+=========================================  =====  =====  =====  =====
 
 Four in five passes of the new kind: by share and persistence 1,120 / never /
-never / never, with the previous pass 660 / 1,120 / 1,520 / 1,840. Every pass:
-1,100 / never / never / never, with the long run 740 / 1,300 / 1,760 / never
-(30x: 39% off after 1,500). What remains there is the fit itself: with the gate
-off it takes 120 / 1,400 / never / never.
+never / never, with the previous pass 660 / 1,120 / 1,520 / 1,840, at full weight
+and own time 640 / 640 / 640 / 720. Every pass: 1,100 / never / never / never, with
+the long run 740 / 1,300 / 1,760 / never, at full weight and own time 700 at each
+factor: there, most of it is the 400 passes a stall may last.
 """
 
 from __future__ import annotations

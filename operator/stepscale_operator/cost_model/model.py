@@ -317,18 +317,19 @@ class CostModel:
             )
         learn = ~bad_input & ~fast & ~quarantined
         weight = np.zeros(y.shape[0])
+        misfit = np.zeros(y.shape[0], dtype=bool)
         if gate.active:
             # Robust from the first residual scale on, not only once ready: early
             # stalls would otherwise stay in the rarely visited (prefill) buckets.
             gated = buckets[learn]
-            misfit = self.misfit.misfit(gated)
+            misfit[learn] = self.misfit.misfit(gated)
             weight[learn], rejected = gate.weights(
                 rel[learn],
                 log_res[learn],
                 gated,
                 self._uncovered(sched[learn]),
                 reg.count,
-                misfit,
+                misfit[learn],
             )
             self.misfit.observe(gated, rejected, slot[learn], records)
         else:
@@ -340,7 +341,10 @@ class CostModel:
         reg.drifting = gate.drifting()
         # A regime the fit is off in (rare prefill passes, say) forgets fast on its own.
         reg.stale = self.regime_residuals.stale_buckets(gate.drift_floor)
-        target, w = self._working_rows(weight, y, pred, have_pred & ~self._uncovered(sched))
+        # A misfit pass enters at its own time: linearised at a prediction several
+        # times too low, its target would be a fraction of the way there.
+        linearise = have_pred & ~self._uncovered(sched) & ~misfit
+        target, w = self._working_rows(weight, y, pred, linearise)
         reg.accumulate(x, target, w, accepted, buckets, reg.learning_side(x, regressors))
         self.ledger.raise_budgets(used, accepted, slot, records)
 
@@ -426,9 +430,10 @@ class CostModel:
         Gauss-Newton step per pass, iterated as predictions improve): target
         ``mu * (1 + log(y / mu))``, weight ``1 / mu^2``. The weight comes from the
         model, not from the pass's own time: weighting by ``1 / y^2`` gave slow
-        passes less say and fitted 3-13% low. Where there is no prediction yet, or
-        the regime has too few samples to trust one, ``mu = y`` (plain relative
-        least squares).
+        passes less say and fitted 3-13% low. Where there is no prediction yet, the
+        regime has too few samples to trust one, or the pass is in a bucket the
+        model is wrong in (:mod:`.misfit`), ``mu = y`` (plain relative least
+        squares).
         """
         mu = np.where(linearise, pred, y)
         target = mu * (1.0 + np.log(np.maximum(y, 1e-12) / np.maximum(mu, 1e-12)))
