@@ -38,16 +38,16 @@ pass by pass. Two tells separate them, per coverage bucket:
 A bucket is misfit when either share is at least half: nothing in it is rejected,
 and its passes are learned at full weight and at their own time (see
 :meth:`~stepscale_operator.cost_model.admission.ResidualGate.weights` and the cost
-model's working rows). Either alone is slower than neither: a pass 8x its
+model's working rows). Each needs the other: a pass 8x its
 prediction, linearised at that prediction, has a target a third of the way there,
 and full weight on it pulls the fit to a compromise (8x: 1,500 passes); at its own
 time but the unlearned knee's Huber weight, each pass pulls a seventh as hard (8x:
-780). At its own time a pass's pull is bounded anyway (its relative error is at
-most 1 below it, however slow it is), so stalls a tell takes for a misfit now and
-then move the fit little: seven in ten passes of one composition stalled 10-30x,
+780). At its own time a pass's pull is bounded anyway (a prediction below it is off
+by at most all of it, however slow it is), so stalls a tell takes for a misfit now
+and then move the fit little: seven in ten passes of one composition stalled 10-30x,
 scattered over 600, leave it within 1% of the truth (9% linearised at the
-prediction). Both count the passes the gate rejected, so a misfit bucket's shares fall
-back under half as soon as its passes are let in, and it hovers there, learning
+prediction). Both count the passes the gate rejected, so a misfit bucket's shares
+fall back under half as soon as its passes are let in, and it hovers there, learning
 about half of them, until the fit comes close enough for the gate to let them all
 in. (Counting every pass beyond the gate, rejected or not, holds a bucket misfit
 until it is learned; it learned more slowly, under the old weights, in
