@@ -202,9 +202,9 @@ class ResidualGate:
             return np.ones(n), np.zeros(n, dtype=bool)
         r = np.nan_to_num(log_res, nan=0.0)
         excess = r - self.center
-        # A bucket is trusted once it holds data and is not misfit (the model is
-        # wrong there: :mod:`.misfit`).
-        trusted = (bucket_counts[buckets] >= self.bucket_trust) & ~misfit
+        # A bucket is trusted once it holds data (a misfit one's passes are taken
+        # whole below, whichever it is).
+        trusted = bucket_counts[buckets] >= self.bucket_trust
         # Huber on the relative residual (what the weighted least squares sees, so a
         # pass's pull is bounded by the knee whatever its size), taken about the
         # centre: after an engine change every pass is off, and all must count fully.

@@ -21,7 +21,7 @@ pass by pass. Two tells separate them, per coverage bucket:
     passes half after that), even a run on one kind of pass alone, since the
     other kinds' passes then stop coming and their weight decays;
   - or the stream's previous pass was let in. A stall slows the passes around it
-    too, so a run gives only its first pass a contrast so; a kind that is most of
+    too, so of a run only its first pass has this contrast; a kind that is most of
     its stream's passes (four in five: a prefill worker that now meets a cached
     prefix on most requests) has no contrast by share, but one after each pass of
     another kind. Most stalls on a shared CPU are single passes (0.6-0.9 of the
