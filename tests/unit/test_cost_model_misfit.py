@@ -110,6 +110,20 @@ def test_a_bucket_that_is_most_of_its_stream_is_told_by_the_passes_let_in_before
     assert not _misfit(tell, USUAL)
 
 
+def test_a_pass_just_before_one_let_in_has_a_contrast_too() -> None:
+    """The same kind, four in five, but each batch ends with the usual pass: the
+    new pass before it has a contrast as well as the one after the last batch's,
+    so the bucket is told in half as many batches."""
+    tell = MisfitBuckets()
+    stream = [StreamRecord()]
+    told_after = None
+    for i in range(200):
+        _feed(tell, stream, [(0, NEW, True)] * 4 + [(0, USUAL, False)])
+        if told_after is None and _misfit(tell, NEW):
+            told_after = i + 1
+    assert told_after is not None and 20 <= told_after <= 30, told_after
+
+
 def test_scattered_stalls_under_half_of_a_bucket_are_not_a_misfit() -> None:
     """Most stalls seen on a shared CPU are single passes (0.6-0.9 of the runs in
     the kept recordings): a pass stalled now and then right after one on time,

@@ -20,13 +20,14 @@ pass by pass. Two tells separate them, per coverage bucket:
     stream's first ~16 stalled passes a contrast (its share of rejected passes
     passes half after that), even a run on one kind of pass alone, since the
     other kinds' passes then stop coming and their weight decays;
-  - or the stream's previous pass was let in. A stall slows the passes around it
-    too, so of a run only its first pass has this contrast; a kind that is most of
-    its stream's passes (four in five: a prefill worker that now meets a cached
-    prefix on most requests) has no contrast by share, but one after each pass of
-    another kind. Most stalls on a shared CPU are single passes (0.6-0.9 of the
-    runs the gate rejected in the kept recordings), and a bucket takes them at
-    their rate, under half;
+  - or the stream's pass just before it, or just after it in the same batch, was
+    let in. A stall slows the passes around it too, so of a run only its first
+    and last passes have this contrast; a kind that is most of its stream's
+    passes (four in five: a prefill worker that now meets a cached prefix on most
+    requests) has no contrast by share, but one beside each pass of another kind.
+    Most stalls on a shared CPU are single passes (0.6-0.9 of the runs the gate
+    rejected in the kept recordings), and a bucket takes them at their rate,
+    under half;
   - or it comes after ``longest_stall`` (400) rejections in a row: no stall is
     that long (the longest runs seen on a shared CPU are ~110-160 passes). A
     stream of the new kind alone has no other contrast.
@@ -65,11 +66,12 @@ misfit from pass 1 (the old bound)         220    540    680    800
 both tells, full weight, own time          160    200    320    440
 =========================================  =====  =====  =====  =====
 
-Four in five passes of the new kind: by share and persistence 1,120 / never /
-never / never, with the previous pass 660 / 1,120 / 1,520 / 1,840, at full weight
-and own time 640 / 640 / 640 / 720. Every pass: 1,100 / never / never / never, with
-the long run 740 / 1,300 / 1,760 / never, at full weight and own time 700 at each
-factor: there, most of it is the 400 passes a stall may last.
+Four in five passes of the new kind: by share and persistence 1,120 / never / never
+/ never, with the previous pass 660 / 1,120 / 1,520 / 1,840, at full weight and own
+time 640 / 640 / 640 / 720, with the next pass too 320 / 320 / 320 / 480. Every
+pass: 1,100 / never / never / never, with the long run 740 / 1,300 / 1,760 / never,
+at full weight and own time 700 at each factor: there, most of it is the 400 passes
+a stall may last.
 """
 
 from __future__ import annotations
@@ -166,8 +168,8 @@ class MisfitBuckets:
         streams: Sequence[RecentPasses],
     ) -> npt.NDArray[np.bool_]:
         """Rows whose stream's other recent passes were mostly let in, whose stream's
-        previous pass was, or that come after more rejections in a row than any stall
-        (and updates each stream's recent passes)."""
+        previous or next pass was, or that come after more rejections in a row than
+        any stall (and updates each stream's recent passes)."""
         n_slots = len(streams)
         far = rejected.astype(np.float64)
         per_stream = np.bincount(slot, minlength=n_slots).astype(np.float64)
@@ -191,7 +193,7 @@ class MisfitBuckets:
         )
         after_n = prior_n * keep + row_weight * per_stream
         after_far = prior_far * keep + row_weight * far_stream
-        run_before, run_after = _rejected_runs(rejected, slot, prior_run)
+        run_before, next_let_in, run_after = _rejected_runs(rejected, slot, prior_run)
         # Every stream written back (one without rows here keeps its counts): plain
         # values in one pass, the cost of a batch spread over a hundred streams.
         for stream, n, n_rejected, run in zip(
@@ -205,19 +207,20 @@ class MisfitBuckets:
         others_n = after_n[slot] - row_weight[slot] * pair_n
         others_far = after_far[slot] - row_weight[slot] * pair_far
         mostly_on_time = (others_n >= self.min_others) & (2.0 * others_far < others_n)
-        # A pass right after one let in (a stall slows the passes around it too), or
-        # one in a run of rejections longer than any stall.
-        return mostly_on_time | (run_before == 0) | (run_before >= self.longest_stall)
+        # A pass right before or after one let in (a stall slows the passes around
+        # it too), or one in a run of rejections longer than any stall.
+        return mostly_on_time | (run_before == 0) | next_let_in | (run_before >= self.longest_stall)
 
 
 def _rejected_runs(
     rejected: npt.NDArray[np.bool_],
     slot: npt.NDArray[np.int64],
     run_before: npt.NDArray[np.int64],
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Per row, how many of its stream's gated passes in a row the gate had rejected
-    just before it (``run_before``: per stream, before the chunk; a stream's rows are
-    in its pass order); and per stream, how many after the chunk."""
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
+    """A chunk's rows in each stream's pass order (a stream's rows are in it): per
+    row, how many of its stream's gated passes in a row the gate had rejected just
+    before it (``run_before``: per stream, before the chunk) and whether its
+    stream's next pass in the chunk was let in; per stream, the run after the chunk."""
     n = rejected.shape[0]
     order = np.argsort(slot, kind="stable")
     by_stream = slot[order]
@@ -225,6 +228,8 @@ def _rejected_runs(
     idx = np.arange(n)
     first = np.ones(n, dtype=bool)
     first[1:] = by_stream[1:] != by_stream[:-1]
+    last = np.ones(n, dtype=bool)
+    last[:-1] = first[1:]
     # The run after each row: rows since the stream's latest pass let in, or since its
     # first row here plus the run it came with.
     start = np.maximum.accumulate(np.where(first | ~far, idx, 0))
@@ -235,13 +240,16 @@ def _rejected_runs(
     before = np.empty(n, dtype=np.int64)
     before[1:] = run_after[:-1]
     before[first] = run_before[by_stream[first]]
-    out = np.empty_like(before)
-    out[order] = before
-    last = np.ones(n, dtype=bool)
-    last[:-1] = first[1:]
+    # The last row of a stream here does not know its next pass yet: no contrast.
+    next_let_in = np.zeros(n, dtype=bool)
+    next_let_in[:-1] = ~last[:-1] & ~far[1:]
+    row_before = np.empty_like(before)
+    row_before[order] = before
+    row_next = np.empty_like(next_let_in)
+    row_next[order] = next_let_in
     updated = run_before.copy()
     updated[by_stream[last]] = run_after[last]
-    return out, updated
+    return row_before, row_next, updated
 
 
 def _update_rates(
