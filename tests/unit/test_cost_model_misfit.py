@@ -32,19 +32,33 @@ def _misfit(tell: MisfitBuckets, bucket: int) -> bool:
     return bool(tell.misfit(np.array([bucket], dtype=np.int64))[0])
 
 
+def _batches_until_misfit(
+    tell: MisfitBuckets,
+    streams: list[StreamRecord],
+    batch: list[tuple[int, int, bool]],
+    bucket: int,
+    limit: int = 200,
+) -> int | None:
+    """Feed the same batch until ``bucket`` is misfit; how many it took (None: never)."""
+    for i in range(limit):
+        _feed(tell, streams, batch)
+        if _misfit(tell, bucket):
+            return i + 1
+    return None
+
+
 def test_a_bucket_rejected_beside_passes_let_in_is_misfit_within_about_its_contrast_memory() -> (
     None
 ):
     tell = MisfitBuckets()  # contrast memory: 50 of a bucket's passes
+    # Four usual passes let in, one of a new kind rejected, as a subscriber hands a
+    # batch of one stream in.
+    batch = [(0, USUAL, False)] * 4 + [(0, NEW, True)]
     stream = [StreamRecord()]
-    told_after = None
-    for i in range(200):
-        # Four usual passes let in, one of a new kind rejected, as a subscriber
-        # hands a batch of one stream in.
-        _feed(tell, stream, [(0, USUAL, False)] * 4 + [(0, NEW, True)])
-        if told_after is None and _misfit(tell, NEW):
-            told_after = i + 1
+    told_after = _batches_until_misfit(tell, stream, batch, NEW)
     assert told_after is not None and 40 <= told_after <= 60, told_after
+    for _ in range(200 - told_after):
+        _feed(tell, stream, batch)
     assert not _misfit(tell, USUAL)
     # By persistence alone (its share of rejections over 500 of its passes) it
     # would have taken 500.
@@ -99,14 +113,13 @@ def test_a_bucket_that_is_most_of_its_stream_is_told_by_the_passes_let_in_before
     rejected passes is 0.8, so it gives no contrast; the first new pass after each
     usual one let in has one (a stall slows the passes around it too)."""
     tell = MisfitBuckets()
+    batch = [(0, USUAL, False)] + [(0, NEW, True)] * 4
     stream = [StreamRecord()]
-    told_after = None
-    for i in range(200):
-        _feed(tell, stream, [(0, USUAL, False)] + [(0, NEW, True)] * 4)
-        if told_after is None and _misfit(tell, NEW):
-            told_after = i + 1
+    told_after = _batches_until_misfit(tell, stream, batch, NEW)
     # One contrasted pass per batch: about the contrast memory (50) of them.
     assert told_after is not None and 40 <= told_after <= 60, told_after
+    for _ in range(200 - told_after):
+        _feed(tell, stream, batch)
     assert not _misfit(tell, USUAL)
 
 
@@ -114,13 +127,8 @@ def test_a_pass_just_before_one_let_in_has_a_contrast_too() -> None:
     """The same kind, four in five, but each batch ends with the usual pass: the
     new pass before it has a contrast as well as the one after the last batch's,
     so the bucket is told in half as many batches."""
-    tell = MisfitBuckets()
-    stream = [StreamRecord()]
-    told_after = None
-    for i in range(200):
-        _feed(tell, stream, [(0, NEW, True)] * 4 + [(0, USUAL, False)])
-        if told_after is None and _misfit(tell, NEW):
-            told_after = i + 1
+    batch = [(0, NEW, True)] * 4 + [(0, USUAL, False)]
+    told_after = _batches_until_misfit(MisfitBuckets(), [StreamRecord()], batch, NEW)
     assert told_after is not None and 20 <= told_after <= 30, told_after
 
 
