@@ -283,6 +283,75 @@ def resync_pods(state: ControllerState, key: Key, autoscaler: DeploymentAutoscal
     log_changes(autoscaler.name, autoscaler.resync_pods(listed, since), "pod listing")
 
 
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """Where kopf keeps its state on our objects, and how fast it polls and watches."""
+    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    # A timer that is mid-round when its object is deleted is polled for its exit
+    # every cancellation_polling seconds (kopf's default: 60), and the finalizer,
+    # hence the deletion, waits that long: a round takes well under a second.
+    settings.background.cancellation_polling = 1.0
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+
+
+def refuse_spec(
+    state: ControllerState,
+    key: Key,
+    problems: tuple[str, ...],
+    *,
+    body: kopf.Body,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    patch: kopf.Patch,
+) -> None:
+    """Mark ``key``'s spec invalid on status, in an event and a counter; stop serving it."""
+    # Nothing to listen to or decide for until the spec is fixed (which is an update).
+    state.release(key)
+    state.problems[key] = problems
+    label = deployment_label(key)
+    state.metrics.counter("stepscale_spec_errors_total").labels(label).inc()
+    message = "; ".join(problems)
+    kopf.warn(body, reason="InvalidSpec", message=message[:1024])
+    log.warning("%s: invalid spec: %s", label, message)
+    patch.status["conditions"] = build_conditions(
+        now_wall=time.time(),
+        generation=meta.get("generation"),
+        previous=list(status.get("conditions") or []),
+        problems=problems,
+        mode="invalid",
+        load=None,
+        model_ready=False,
+        samples=0,
+        min_samples=0,
+        mape=None,
+    )
+    patch.status["mode"] = "invalid"
+    patch.status["observedGeneration"] = meta.get("generation")
+
+
+def timer_autoscaler(
+    state: ControllerState, key: Key, spec: kopf.Spec, status: kopf.Status, body: kopf.Body
+) -> DeploymentAutoscaler | None:
+    """The autoscaler of ``key``; after a release (peering pause) a new one, warm from
+    the status checkpoint, once this process has reconciled the object."""
+    with state.lock:
+        autoscaler = state.autoscalers.get(key)
+        if autoscaler is not None or key not in state.reconciled:
+            return autoscaler
+        try:
+            parsed = parse_spec(dict(spec))
+        except SpecError:
+            return None  # reconcile reports it
+        return start_autoscaler(state, key, parsed, status, body)
+
+
 def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.OperatorRegistry:
     """The operator's handlers, registered on a new registry."""
     registry = kopf.OperatorRegistry()
@@ -290,56 +359,11 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-            prefix=ANNOTATION_PREFIX
-        )
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
-        )
-        settings.posting.level = logging.INFO
-        # A timer that is mid-round when its object is deleted is polled for its exit
-        # every cancellation_polling seconds (kopf's default: 60), and the finalizer,
-        # hence the deletion, waits that long: a round takes well under a second.
-        settings.background.cancellation_polling = 1.0
-        settings.watching.server_timeout = 300
-        settings.watching.client_timeout = 330
+        configure_settings(settings)
 
     @kopf.on.cleanup(registry=registry)
     def stop(**_: Any) -> None:
         state.close()
-
-    def refuse_spec(
-        key: Key,
-        problems: tuple[str, ...],
-        *,
-        body: kopf.Body,
-        meta: kopf.Meta,
-        status: kopf.Status,
-        patch: kopf.Patch,
-    ) -> None:
-        # Nothing to listen to or decide for until the spec is fixed (which is an update).
-        state.release(key)
-        state.problems[key] = problems
-        label = deployment_label(key)
-        state.metrics.counter("stepscale_spec_errors_total").labels(label).inc()
-        message = "; ".join(problems)
-        kopf.warn(body, reason="InvalidSpec", message=message[:1024])
-        log.warning("%s: invalid spec: %s", label, message)
-        patch.status["conditions"] = build_conditions(
-            now_wall=time.time(),
-            generation=meta.get("generation"),
-            previous=list(status.get("conditions") or []),
-            problems=problems,
-            mode="invalid",
-            load=None,
-            model_ready=False,
-            samples=0,
-            min_samples=0,
-            mape=None,
-        )
-        patch.status["mode"] = "invalid"
-        patch.status["observedGeneration"] = meta.get("generation")
 
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.create(*resource, registry=registry)
@@ -358,12 +382,14 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
         key: Key = (namespace or "", name)
         bad_name = name_problems(name)
         if bad_name:  # the CRD refuses these; an API server without CEL may not
-            refuse_spec(key, tuple(bad_name), body=body, meta=meta, status=status, patch=patch)
+            refuse_spec(
+                state, key, tuple(bad_name), body=body, meta=meta, status=status, patch=patch
+            )
             return  # no child can be made under this name
         try:
             parsed = parse_spec(dict(spec))
         except SpecError as exc:
-            refuse_spec(key, exc.problems, body=body, meta=meta, status=status, patch=patch)
+            refuse_spec(state, key, exc.problems, body=body, meta=meta, status=status, patch=patch)
             return  # no retry: the user has to fix the spec, which triggers an update
         previous_mode = status.get("mode")
         try:
@@ -371,7 +397,7 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
                 state.kube, name, key[0], str(meta.get("uid", "")), parsed, previous_mode
             )
         except SpecError as exc:
-            refuse_spec(key, exc.problems, body=body, meta=meta, status=status, patch=patch)
+            refuse_spec(state, key, exc.problems, body=body, meta=meta, status=status, patch=patch)
             # Permanent: kopf stops retrying this spec; a changed spec is handled anew.
             raise kopf.PermanentError(str(exc)) from exc
         with state.lock:
@@ -442,7 +468,7 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
         key: Key = (namespace or "", name)
         if kwargs.get("stopped") or key in state.problems:
             return
-        autoscaler = timer_autoscaler(key, spec, status, body)
+        autoscaler = timer_autoscaler(state, key, spec, status, body)
         if autoscaler is None:
             return
         now = time.monotonic()
@@ -461,21 +487,6 @@ def build_registry(state: ControllerState, config: ControllerConfig) -> kopf.Ope
         auto = mode_of(autoscaler.spec) == "auto"
         if auto and replicas is not None and spec.get("replicas") != replicas:
             patch.spec["replicas"] = replicas
-
-    def timer_autoscaler(
-        key: Key, spec: kopf.Spec, status: kopf.Status, body: kopf.Body
-    ) -> DeploymentAutoscaler | None:
-        """The autoscaler of ``key``; after a release (peering pause) a new one, warm from
-        the status checkpoint, once this process has reconciled the object."""
-        with state.lock:
-            autoscaler = state.autoscalers.get(key)
-            if autoscaler is not None or key not in state.reconciled:
-                return autoscaler
-            try:
-                parsed = parse_spec(dict(spec))
-            except SpecError:
-                return None  # reconcile reports it
-            return start_autoscaler(state, key, parsed, status, body)
 
     return registry
 
