@@ -2178,19 +2178,22 @@ def test_short_outputs_meet_only_the_prompts_a_balancing_router_sends_to_busy_re
     # kept off them (over batches below one a prefill pass can carry more).
     base = replace(load_of(100.0, prompt=200.0, output=9.0), output_interval_shares=shares)
 
-    def predicted(deficit: float) -> tuple[float, float]:
+    def predicted(deficit: float) -> tuple[float, float, float]:
         load = replace(base, prefill_pass_decode_deficit=deficit)
         per = PerReplicaLoad.from_estimate(load, 4)
         prediction = predict_latency(LinearStepTime(), per, ENGINE, PlannerPolicy(), 4)
-        return prediction.itl_ms, prediction.itl_mean_ms
+        return prediction.itl_ms, prediction.itl_mean_ms, prediction.step_time_ms
 
-    spread, spread_mean = predicted(0.0)
-    some, _ = predicted(0.6)
-    kept_off, kept_off_mean = predicted(1.2)
+    spread, spread_mean, spread_step = predicted(0.0)
+    some, some_mean, _ = predicted(0.6)
+    kept_off, kept_off_mean, kept_off_step = predicted(1.2)
     assert kept_off < some < spread
     assert kept_off < 0.85 * spread
-    # The mean pass is the fleet's whatever the router: only who meets it moves.
-    assert kept_off_mean == pytest.approx(spread_mean, rel=1e-9)
+    # The mean pass is the fleet's whatever the router; the pass a decode is in (the
+    # mean ITL, as the passes' wall times weighted by decodes measure it) is not.
+    assert kept_off_step == pytest.approx(spread_step, rel=1e-9)
+    assert kept_off_mean < some_mean < spread_mean
+    assert spread_mean == pytest.approx(spread_step, rel=1e-9)
 
 
 def test_where_a_lift_is_measured_the_router_s_pick_enters_short_outputs_once() -> None:
