@@ -983,7 +983,8 @@ def _decode_weighted_step(steady: _SteadyStep, exposure: float) -> float:
     pass's decodes, and a decode token meets the extra time ``exposure`` times as
     often: ``decode_s + exposure * (step - decode_s)``. The step itself is the
     mean over passes, which the measured ITL mean (pass wall times weighted by
-    their decodes) is not: on long prompts the step read 15-17% above it.
+    their decodes) is not: with 6k-token prompts on 4-8 replicas the step read
+    1.10-1.15x the measured mean, this 0.96-1.01x.
     """
     return steady.decode_s + exposure * max(steady.step - steady.decode_s, 0.0)
 
