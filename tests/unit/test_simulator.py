@@ -353,8 +353,8 @@ def test_predicted_mean_itl_is_what_the_passes_measure_on_long_prompts() -> None
     # The closed loop learns its ITL correction from the measured mean (the passes'
     # wall times weighted by their decodes) over the predicted one. With long prompts
     # a balancing router keeps prefill off the replicas with many decodes, so a
-    # decode meets less of it than the mean pass has: the mean pass read 12% above
-    # the measured mean here (15-17% on the long-context scenarios), and the loop
+    # decode meets less of it than the mean pass has: the mean pass read 1.12x the
+    # measured mean here (1.10-1.15x on 4-8 replicas of such prompts), and the loop
     # never saw a model that was low. Held at 6 replicas, real FPM through the
     # operator's pipeline, the realized mean read by the load estimate at each
     # decision (recorded by wrapping the model's own estimate, which is unchanged).
