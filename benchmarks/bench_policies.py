@@ -74,6 +74,7 @@ from stepscale_operator.simulator.traffic import (
     TrafficShape,
     burst_windows,
     load_azure_csv,
+    merged,
     rate_function,
     shaped_synthetic,
     synthetic,
@@ -159,10 +160,46 @@ def shaped_scenarios(duration_s: float, seed: int) -> list[tuple[str, Traffic, S
         ("shaped-decode-heavy", decode_heavy, rate("diurnal", 40.0), SETUP),
         ("shaped-rag-steps", rag, rate("steps", 12.0), SETUP),
     ]
-    return [
+    scenarios = [
         (name, shaped_synthetic(shape, fn, duration_s, seed=seed, name=name), setup)
         for name, shape, fn, setup in cases
     ]
+    scenarios.append(("shaped-tenant-mix", tenant_mix(duration_s, seed), SETUP))
+    return scenarios
+
+
+def tenant_mix(duration_s: float, seed: int) -> Traffic:
+    """Two tenants on one deployment (added 2026-12-03 as a held-out check, run once
+    before any change was judged on it): a chat tenant on a diurnal rate, and a batch
+    tenant that submits 6k-token documents for summaries in groups, on for two spells
+    (a fifth of the run from 20%, a quarter from 60%). The request rate rises by a
+    third while it is on; the prefill work about triples. A scaler that counts
+    requests sees little; the fleet has to follow the mix."""
+    chat = TrafficShape(
+        cluster_mean=1.5, prompt_median=600.0, prompt_sigma=1.0, output_median=180.0
+    )
+    batch = TrafficShape(
+        cluster_mean=4.0,
+        prompt_median=5000.0,
+        prompt_sigma=0.6,
+        max_prompt=30_000,
+        output_median=250.0,
+        output_sigma=0.5,
+    )
+
+    def batch_rate(t: float) -> float:
+        share = t / duration_s
+        return 3.0 if 0.2 <= share < 0.4 or 0.6 <= share < 0.85 else 0.0
+
+    name = "shaped-tenant-mix"
+    chat_rate = rate_function("diurnal", 10.0, duration_s)
+    return merged(
+        [
+            shaped_synthetic(chat, chat_rate, duration_s, seed=seed, name=name),
+            shaped_synthetic(batch, batch_rate, duration_s, seed=seed + 7_919, name=name),
+        ],
+        name,
+    )
 
 
 def static_sweep(sizing: GroundTruthSizing) -> list[str]:

@@ -67,6 +67,7 @@ from stepscale_operator.simulator.traffic import (
     load_azure_csv,
     load_mooncake_jsonl,
     load_trace,
+    merged,
     shaped_synthetic,
     synthetic,
 )
@@ -274,6 +275,27 @@ def test_synthetic_shapes() -> None:
     first = np.count_nonzero(steps.arrival_s < 200)
     second = np.count_nonzero((steps.arrival_s >= 200) & (steps.arrival_s < 400))
     assert 1.7 < second / first < 2.3
+
+
+def test_merged_tenants_keep_every_request_in_arrival_order() -> None:
+    chat = shaped_synthetic(TrafficShape(prompt_median=600.0), lambda t: 4.0, 300.0, seed=1)
+    docs = shaped_synthetic(
+        TrafficShape(prompt_median=5000.0, prompt_sigma=0.3, max_prompt=30_000),
+        lambda t: 2.0 if t >= 150.0 else 0.0,
+        300.0,
+        seed=2,
+    )
+    both = merged([chat, docs], "two tenants")
+    assert len(both) == len(chat) + len(docs) and both.name == "two tenants"
+    assert np.all(np.diff(both.arrival_s) >= 0.0)
+    # Each request keeps its own lengths: the documents arrive only in the second half.
+    early = both.arrival_s < 150.0
+    assert both.prompt_tokens[early].sum() == chat.prompt_tokens[chat.arrival_s < 150.0].sum()
+    assert sorted(both.output_tokens.tolist()) == sorted(
+        chat.output_tokens.tolist() + docs.output_tokens.tolist()
+    )
+    with pytest.raises(ValueError):
+        merged([], "none")
 
 
 def test_a_scale_down_asked_back_within_the_window_counts_as_undone() -> None:

@@ -109,6 +109,22 @@ class Traffic:
         return np.arange(n, dtype=np.float64) * bucket_s, counts.astype(np.float64) / bucket_s
 
 
+def merged(parts: Sequence[Traffic], name: str) -> Traffic:
+    """The requests of every part in one stream, sorted by arrival: tenants that
+    share a deployment, each with its own shape and rate."""
+    if not parts:
+        raise ValueError("merged needs at least one part")
+    t = np.concatenate([p.arrival_s for p in parts])
+    order = np.argsort(t, kind="stable")
+    return Traffic(
+        t[order],
+        np.concatenate([p.prompt_tokens for p in parts])[order],
+        np.concatenate([p.output_tokens for p in parts])[order],
+        max(p.duration_s for p in parts),
+        name,
+    )
+
+
 class TraceError(ValueError):
     """A trace that cannot be read; the message names the file, the line and what is
     expected."""
