@@ -173,7 +173,7 @@ def tenant_mix(duration_s: float, seed: int) -> Traffic:
     before any change was judged on it): a chat tenant on a diurnal rate, and a batch
     tenant that submits 6k-token documents for summaries in groups, on for two spells
     (a fifth of the run from 20%, a quarter from 60%). The request rate rises by a
-    third while it is on; the prefill work about triples. A scaler that counts
+    third while it is on; the prompt tokens about double. A scaler that counts
     requests sees little; the fleet has to follow the mix."""
     chat = TrafficShape(
         cluster_mean=1.5, prompt_median=600.0, prompt_sigma=1.0, output_median=180.0
